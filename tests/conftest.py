@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Returns make(arch="llama", **overrides) -> Path, caching one directory per configuration."""
+    made: dict[tuple, object] = {}
+
+    def make(arch: str = "llama", **overrides):
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            made[key] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tiny_model_factory):
+    return tiny_model_factory("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_factory):
+    return tiny_model_factory("qwen2")
