@@ -135,7 +135,8 @@ class RingLayerCache(LayerCache):
         return AttentionKV(k, v, lo)
 
     def export_rows(self, slot, length, position):
-        lo = max(self.retained(length)[0], position - self.window, 0)
+        # Exactly what continuing from ``position`` needs, so a re-export equals the original.
+        lo = max(self.retained(length)[0], self.needed(position))
         idx = self._ring_index(lo, position)
         k = self.k[slot].index_select(1, idx).transpose(0, 1)
         v = self.v[slot].index_select(1, idx).transpose(0, 1)

