@@ -1,0 +1,504 @@
+"""Checkpoint files: identity, save and load.
+
+The file layout is documented byte by byte in docs/CHECKPOINT_FORMAT.md. In short::
+
+    header   magic "MUXCKPT\\0" | u32 version | u32 manifest_len        16 bytes
+    manifest msgpack map (payload table + the wire manifest)            manifest_len bytes
+    hcrc     u32 CRC32C of header + manifest                            4 bytes
+    (zero padding to 4 KiB)
+    payload i at its 4 KiB-aligned offset, each with its own CRC32C     (token ids, KV rows, draft)
+    trailer  magic "MUXEND\\0\\0" | u64 file length | u32 hcrc | u32 CRC32C of the 20 bytes before
+
+Loading verifies every checksum before returning, bounds every size before allocating, and never
+touches device state. Checksums detect corruption, not tampering: load only trusted files.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+import stat
+import struct
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+from muxworker.native import crc32c
+from muxworker.transport.checkpoint import (
+    LAYOUT_VERSION,
+    MANIFEST_VERSION,
+    MAX_PAYLOADS,
+    CheckpointError,
+    CheckpointMalformed,
+    CheckpointRetentionError,
+    CPUCheckpoint,
+    LayerState,
+    checkpoint_from_wire,
+    checkpoint_to_wire,
+)
+from muxworker.transport.errors import InvalidArgument
+
+__all__ = [
+    "CPUCheckpoint",
+    "LayerState",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "CheckpointCorrupt",
+    "CheckpointIncompatible",
+    "CheckpointRetentionError",
+    "CheckpointTooLarge",
+    "CheckpointUnsafePath",
+    "DEFAULT_MAX_BYTES",
+    "checkpoint_identity",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+
+#: Default bound on a checkpoint's payload bytes, on save and on load.
+DEFAULT_MAX_BYTES = 16 * 2**30
+
+MAGIC = b"MUXCKPT\0"
+FILE_VERSION = 1
+TRAILER_MAGIC = b"MUXEND\0\0"
+ALIGN = 4096
+MAX_MANIFEST = 16 * 2**20
+MAX_DEPTH = 16
+_HEADER = struct.Struct("<8sII")  # magic, version, manifest_len
+_CRC = struct.Struct("<I")
+_TRAILER = struct.Struct("<8sQII")  # magic, file length, header crc, crc of the 20 bytes before
+_CHUNK = 512 * 2**10  # read/verify granularity: the CRC runs over bytes still in L2
+_ZEROS = bytes(ALIGN)
+_FILE_KEYS = {"session_id", "checkpoint", "payloads", "file_length"}
+
+
+class CheckpointNotFound(CheckpointError):
+    """No checkpoint file exists at this path (or for this session id)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The file is truncated, damaged or not a checkpoint: a magic, size, structure or checksum failed."""
+
+
+class CheckpointIncompatible(CheckpointError):
+    """The checkpoint was made for another model/configuration identity, format or file version."""
+
+
+class CheckpointTooLarge(CheckpointError):
+    """The checkpoint's payload bytes exceed the configured ``max_bytes``."""
+
+
+class CheckpointUnsafePath(CheckpointError):
+    """The path is a symlink, FIFO, directory or other non-regular file, so it is not read or replaced."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Identity
+
+
+def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration: dict) -> str:
+    """SHA-256 hex digest binding checkpoints to model artifacts and activation-affecting settings.
+
+    Hashes each file's length and bytes, in the given order (so boundaries and order count; paths do
+    not), then the canonical JSON of ``configuration`` (backend, dtype, RoPE, draft settings, ...).
+    Blocking I/O: call it from a worker thread in async code.
+    """
+    if isinstance(model_files, (str, bytes, os.PathLike)):
+        raise TypeError("model_files must be a list of paths, not a single path")
+    if not isinstance(configuration, dict):
+        raise TypeError(f"configuration must be a dict, got {type(configuration).__name__}")
+    files = list(model_files)
+    config = json.dumps(
+        configuration, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+    h = hashlib.sha256()
+    h.update(b"muxworker-checkpoint-identity-v1\0")
+    h.update(struct.pack("<Q", len(files)))
+    buf = bytearray(2**20)
+    view = memoryview(buf)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(b"\0file\0" + struct.pack("<Q", size))
+            seen = 0
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                seen += n
+            if seen != size:
+                raise OSError(f"{os.fspath(path)!r} changed size while it was being hashed")
+    h.update(b"\0configuration\0" + struct.pack("<Q", len(config)) + config)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Public file API
+
+
+def save_checkpoint(
+    checkpoint: CPUCheckpoint, path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> None:
+    """Atomically write ``checkpoint`` to ``path`` (temp file, fsync, rename, directory fsync).
+
+    Raises :class:`CheckpointTooLarge` before writing anything when its payloads exceed
+    ``max_bytes``; :class:`CheckpointUnsafePath` when ``path`` is a symlink or non-regular file. On
+    any failure the previous file at ``path``, if any, is left as it was.
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        write_checkpoint_file(
+            checkpoint, dir_fd, name, temp_prefix=name, session_id=None, max_bytes=max_bytes
+        )
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    expected_identity: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> CPUCheckpoint:
+    """Read and verify a checkpoint file into host memory (numpy only; no device state).
+
+    Raises :class:`CheckpointNotFound`, :class:`CheckpointUnsafePath`, :class:`CheckpointCorrupt`,
+    :class:`CheckpointTooLarge`, or :class:`CheckpointIncompatible` (another file version or
+    layout, or an identity other than ``expected_identity`` when one is given).
+    """
+    _, checkpoint = read_checkpoint_file(
+        os.fspath(path), expected_identity=expected_identity, max_bytes=max_bytes
+    )
+    return checkpoint
+
+
+# ----------------------------------------------------------------------------------------------
+# Writer (shared with SessionStore)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    view = memoryview(array)
+    return view.cast("B") if view.nbytes else memoryview(b"")
+
+
+def _encode(
+    checkpoint: CPUCheckpoint, session_id: str | None, max_bytes: int
+) -> tuple[bytes, list[tuple[int, memoryview]], bytes]:
+    """Header block, (offset, bytes) of each payload, trailer. Nothing is copied but the manifest."""
+    if not isinstance(checkpoint, CPUCheckpoint):
+        raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
+    wire, arrays = checkpoint_to_wire(checkpoint)  # validates
+    views = [_byte_view(a) for a in arrays]
+    total = sum(v.nbytes for v in views)
+    if total > max_bytes:
+        raise CheckpointTooLarge(
+            f"checkpoint holds {total} payload bytes, over the limit of {max_bytes}"
+        )
+    crcs = [crc32c(v) for v in views]
+    # The manifest records the payload offsets, which depend on the manifest's length: grow the
+    # header block in 4 KiB steps until the manifest fits in front of the first payload.
+    base = ALIGN
+    while True:
+        offsets, end = [], base
+        for v in views:
+            offsets.append(end)
+            end = _align(end + v.nbytes)
+        data_end = offsets[-1] + views[-1].nbytes
+        file_length = data_end + _TRAILER.size
+        manifest = msgpack.packb(
+            {
+                "session_id": session_id,
+                "checkpoint": wire,
+                "payloads": [
+                    {"offset": o, "length": v.nbytes, "crc32c": c}
+                    for o, v, c in zip(offsets, views, crcs)
+                ],
+                "file_length": file_length,
+            },
+            use_bin_type=True,
+        )
+        head_len = _HEADER.size + len(manifest) + _CRC.size
+        if head_len <= base:
+            break
+        base = _align(head_len)
+    if len(manifest) > MAX_MANIFEST:
+        raise CheckpointTooLarge(f"checkpoint manifest is {len(manifest)} bytes, over {MAX_MANIFEST}")
+    head = _HEADER.pack(MAGIC, FILE_VERSION, len(manifest)) + manifest
+    head_crc = crc32c(head)
+    head += _CRC.pack(head_crc)
+    trailer = _TRAILER.pack(TRAILER_MAGIC, file_length, head_crc, 0)[:-_CRC.size]
+    trailer += _CRC.pack(crc32c(trailer))
+    return head, list(zip(offsets, views)), trailer
+
+
+def _write_all(fd: int, buffers: Sequence[memoryview | bytes]) -> None:
+    """writev every buffer completely (writev may write less than asked)."""
+    pending = [memoryview(b) for b in buffers if len(b)]
+    while pending:
+        batch = pending[:512]
+        n = os.writev(fd, batch)
+        while n:
+            if n >= pending[0].nbytes:
+                n -= pending.pop(0).nbytes
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
+def _check_regular_or_absent(name: str, dir_fd: int | None) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointUnsafePath(f"{name!r} exists and is not a regular file; refusing to replace it")
+
+
+def write_checkpoint_file(
+    checkpoint: CPUCheckpoint,
+    dir_fd: int,
+    name: str,
+    *,
+    temp_prefix: str,
+    session_id: str | None,
+    max_bytes: int,
+) -> None:
+    """Atomically replace ``name`` in the directory ``dir_fd`` with a checkpoint file.
+
+    Writes ``.<temp_prefix>.<random>.tmp`` (O_EXCL, O_NOFOLLOW, mode 0600), fsyncs it, renames it
+    over ``name`` and fsyncs the directory. On failure the temp file is removed when possible and
+    the previous ``name`` is untouched.
+    """
+    head, payloads, trailer = _encode(checkpoint, session_id, max_bytes)
+    _check_regular_or_absent(name, dir_fd)
+    temp = f".{temp_prefix}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            buffers: list[memoryview | bytes] = [head]
+            position = len(head)
+            for offset, view in payloads:
+                buffers.append(memoryview(_ZEROS)[: offset - position])
+                buffers.append(view)
+                position = offset + view.nbytes
+            buffers.append(trailer)
+            _write_all(fd, buffers)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _check_regular_or_absent(name, dir_fd)
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(temp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    os.fsync(dir_fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reader (shared with SessionStore)
+
+
+def _open_regular(path: str, dir_fd: int | None) -> tuple[int, os.stat_result]:
+    # O_NONBLOCK so that opening a FIFO returns at once (and is then rejected) instead of hanging.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"no checkpoint file at {path!r}") from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EOPNOTSUPP):
+            raise CheckpointUnsafePath(f"{path!r} is a symlink or not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointUnsafePath(f"{path!r} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointCorrupt(f"file ends early at byte {offset + done}")
+        done += n
+
+
+def _check_depth(obj: Any, depth: int = 1) -> None:
+    """Reject maps/arrays nested deeper than MAX_DEPTH (the recursion stops there too)."""
+    if depth > MAX_DEPTH:
+        raise CheckpointCorrupt(f"manifest nests deeper than {MAX_DEPTH} levels")
+    for value in obj.values() if type(obj) is dict else obj:
+        if type(value) is dict or type(value) is list:  # msgpack yields exactly these types
+            _check_depth(value, depth + 1)
+
+
+def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, int]:
+    """Verified file manifest, the header CRC and where the header block ends. Reads at most 16 MiB, whatever the file says."""
+    size = st.st_size
+    if size < _HEADER.size:
+        raise CheckpointCorrupt(f"{path!r} is {size} bytes, too short for a checkpoint header")
+    header = bytearray(_HEADER.size)
+    _read_exact(fd, memoryview(header), 0)
+    magic, version, manifest_len = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise CheckpointCorrupt(f"{path!r} is not a muxworker checkpoint (bad magic)")
+    if manifest_len > MAX_MANIFEST or _HEADER.size + manifest_len + _CRC.size > size:
+        raise CheckpointCorrupt(
+            f"{path!r} declares a {manifest_len}-byte manifest that does not fit the file "
+            f"({size} bytes) or the {MAX_MANIFEST}-byte bound"
+        )
+    block = bytearray(manifest_len + _CRC.size)
+    _read_exact(fd, memoryview(block), _HEADER.size)
+    (stored,) = _CRC.unpack_from(block, manifest_len)
+    head_crc = crc32c(memoryview(block)[:manifest_len], crc32c(header))
+    if stored != head_crc:
+        raise CheckpointCorrupt(f"{path!r}: header/manifest checksum mismatch")
+    # Checked after the CRC so that a damaged version field reads as corruption, a real newer
+    # file as an incompatible one.
+    if version != FILE_VERSION:
+        raise CheckpointIncompatible(
+            f"{path!r} is checkpoint file version {version}; this build reads version {FILE_VERSION}"
+        )
+    try:
+        manifest = msgpack.unpackb(
+            memoryview(block)[:manifest_len], raw=False, strict_map_key=True, use_list=True
+        )
+    except Exception as e:  # msgpack raises several types for damaged input
+        raise CheckpointCorrupt(f"{path!r}: manifest is not valid msgpack ({e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(_FILE_KEYS)}")
+    _check_depth(manifest)
+    if manifest.keys() != _FILE_KEYS:
+        raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(_FILE_KEYS)}")
+    session_id = manifest["session_id"]
+    if session_id is not None and not isinstance(session_id, str):
+        raise CheckpointCorrupt(f"{path!r}: manifest session_id must be a string or nil")
+    return manifest, head_crc, _HEADER.size + manifest_len + _CRC.size
+
+
+def _payload_table(
+    manifest: dict, head_end: int, size: int, max_bytes: int, path: str
+) -> list[tuple[int, int, int]]:
+    """(offset, length, crc) of every payload after checking layout, file size and max_bytes."""
+    table = manifest["payloads"]
+    file_length = manifest["file_length"]
+    if not isinstance(table, list) or not 1 <= len(table) <= MAX_PAYLOADS:
+        raise CheckpointCorrupt(f"{path!r}: payload table must list 1 to {MAX_PAYLOADS} payloads")
+    out = []
+    cursor = _align(head_end)
+    for i, entry in enumerate(table):
+        if not isinstance(entry, dict) or entry.keys() != {"offset", "length", "crc32c"}:
+            raise CheckpointCorrupt(f"{path!r}: payload {i} entry is malformed")
+        offset, length, crc = entry["offset"], entry["length"], entry["crc32c"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (offset, length, crc)):
+            raise CheckpointCorrupt(f"{path!r}: payload {i} entry has non-integer fields")
+        if offset != cursor or length < 0 or not 0 <= crc <= 0xFFFFFFFF:
+            raise CheckpointCorrupt(f"{path!r}: payload {i} is not at its aligned offset {cursor}")
+        out.append((offset, length, crc))
+        cursor = _align(offset + length)
+    total = sum(length for _, length, _ in out)
+    if total > max_bytes:
+        raise CheckpointTooLarge(
+            f"{path!r} holds {total} payload bytes, over the limit of {max_bytes}"
+        )
+    expected_length = out[-1][0] + out[-1][1] + _TRAILER.size
+    if file_length != expected_length:
+        raise CheckpointCorrupt(f"{path!r}: manifest file_length disagrees with its payload table")
+    if size != file_length:
+        raise CheckpointCorrupt(
+            f"{path!r} is {size} bytes but its manifest says {file_length}: truncated or extended"
+        )
+    return out
+
+
+def _check_format_supported(wire: Any, path: str) -> None:
+    """Tell a file from another format/layout version apart from a damaged one."""
+    if not isinstance(wire, dict):
+        return  # the full validation below reports it as corrupt
+    if wire.get("version") != MANIFEST_VERSION:
+        raise CheckpointIncompatible(
+            f"{path!r} uses checkpoint manifest version {wire.get('version')!r}; "
+            f"this build reads {MANIFEST_VERSION}"
+        )
+    fmt = wire.get("format")
+    if isinstance(fmt, dict) and fmt.get("layout_version") != LAYOUT_VERSION:
+        raise CheckpointIncompatible(
+            f"{path!r} uses KV layout version {fmt.get('layout_version')!r}; "
+            f"this build reads {LAYOUT_VERSION}"
+        )
+
+
+def read_checkpoint_file(
+    path: str,
+    *,
+    dir_fd: int | None = None,
+    expected_identity: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    manifest_only: bool = False,
+) -> tuple[str | None, CPUCheckpoint | None]:
+    """(session id, checkpoint) of a verified file; the checkpoint is None when ``manifest_only``."""
+    fd, st = _open_regular(path, dir_fd)
+    try:
+        manifest, head_crc, head_end = _read_manifest(fd, st, path)
+        wire = manifest["checkpoint"]
+        _check_format_supported(wire, path)
+        if expected_identity is not None:
+            found = wire.get("identity") if isinstance(wire, dict) else None
+            if found != expected_identity:
+                raise CheckpointIncompatible(
+                    f"{path!r} was saved for model/configuration identity {found!r}, "
+                    f"not {expected_identity!r}"
+                )
+        table = _payload_table(manifest, head_end, st.st_size, max_bytes, path)
+        trailer = bytearray(_TRAILER.size)
+        _read_exact(fd, memoryview(trailer), st.st_size - _TRAILER.size)
+        magic, length, trailer_head_crc, trailer_crc = _TRAILER.unpack(trailer)
+        if (
+            magic != TRAILER_MAGIC
+            or length != st.st_size
+            or trailer_head_crc != head_crc
+            or trailer_crc != crc32c(memoryview(trailer)[: -_CRC.size])
+        ):
+            raise CheckpointCorrupt(f"{path!r}: trailer is damaged or does not match the header")
+        if manifest_only:
+            return manifest["session_id"], None
+        # One allocation for every payload (each slice 64-byte aligned): a single large mapping
+        # faults in far faster than dozens of medium ones, and the arrays share its lifetime.
+        starts, total = [], 0
+        for _, length, _ in table:
+            starts.append(total)
+            total += -(-length // 64) * 64
+        arena = memoryview(np.empty(total, dtype=np.uint8))
+        buffers = []
+        for i, (offset, length, expected_crc) in enumerate(table):
+            view = arena[starts[i] : starts[i] + length]
+            crc = 0
+            for lo in range(0, length, _CHUNK):
+                part = view[lo : lo + _CHUNK]
+                _read_exact(fd, part, offset + lo)
+                crc = crc32c(part, crc)
+            if crc != expected_crc:
+                raise CheckpointCorrupt(f"{path!r}: payload {i} checksum mismatch")
+            buffers.append(view)
+    finally:
+        os.close(fd)
+    try:
+        checkpoint = checkpoint_from_wire(wire, buffers)
+    except CheckpointMalformed as e:
+        raise CheckpointCorrupt(f"{path!r}: {e}") from e
+    return manifest["session_id"], checkpoint

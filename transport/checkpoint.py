@@ -1,0 +1,566 @@
+"""The checkpoint data model and its wire codec, shared by the worker and the client.
+
+A checkpoint is the committed state of one session in a backend-independent logical layout:
+the token history plus, per attention layer, the retained KV rows ``[n, KV, D]`` for the positions
+``[start, start + n)``. The worker exports it, the client saves it to a file, a worker restores it.
+
+On the wire a checkpoint is a small control map (the *manifest*) plus a list of binary payloads that
+the map names by index. The bytes never ride inside the map, so a 300,000-token history keeps the map
+under a kilobyte. Only numpy here: no torch, no device state.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import CheckpointRejected
+from .framing import DTYPES, attach_payload
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMalformed",
+    "CheckpointRetentionError",
+    "CPUCheckpoint",
+    "LayerState",
+    "LAYOUT_VERSION",
+    "MANIFEST_VERSION",
+    "MAX_PAYLOADS",
+    "checkpoint_to_wire",
+    "checkpoint_from_wire",
+    "numpy_storage_dtype",
+    "required_rows",
+]
+
+#: Version of the logical KV layout in ``format["layout_version"]``.
+LAYOUT_VERSION = 1
+#: Version of the manifest map produced by :func:`checkpoint_to_wire`.
+MANIFEST_VERSION = 1
+
+# Declared KV dtype -> how its bytes are held in numpy, as the frame's payload table has it (always
+# little-endian). numpy has no bfloat16, so bfloat16 travels as its raw 16-bit patterns in uint16.
+_STORAGE_DTYPES: dict[str, np.dtype] = {name: DTYPES[name] for name in ("float32", "float16", "bfloat16")}
+# Dtypes a checkpoint payload reference may name: the KV dtypes plus the token-id dtype.
+_PAYLOAD_DTYPES: dict[str, np.dtype] = {**_STORAGE_DTYPES, "int32": DTYPES["int32"]}
+
+_MAX_LAYERS = 4096
+_MAX_DIM = 1 << 20  # bound on KV heads, head_dim and window sizes
+_MAX_POSITION = (1 << 31) - 1
+_MAX_STR = 256
+_MAX_EXTENT = 1 << 40  # bound on one dimension of a payload
+#: Most payloads one checkpoint may have: keys and values of every target and draft layer, the
+#: token ids and a few draft arrays.
+MAX_PAYLOADS = 4 * _MAX_LAYERS + 64
+_DRAFT_RESERVED = ("geometry", "layers")
+
+
+class CheckpointError(CheckpointRejected):
+    """Base of every checkpoint error; all travel as ``checkpoint_rejected`` on the wire."""
+
+
+class CheckpointMalformed(CheckpointError):
+    """A checkpoint's manifest or payloads are inconsistent: wrong types, dtypes, shapes or counts."""
+
+
+class CheckpointRetentionError(CheckpointError):
+    """A restore position is out of range, or some layer no longer retains the rows it needs."""
+
+
+def numpy_storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype that holds KV rows of the declared dtype ``name`` (bfloat16 -> uint16 bits)."""
+    try:
+        return _STORAGE_DTYPES[name]
+    except (KeyError, TypeError):
+        raise CheckpointMalformed(
+            f"unsupported KV dtype {name!r}; expected one of {sorted(_STORAGE_DTYPES)}"
+        ) from None
+
+
+def required_rows(window: int | None, position: int) -> tuple[int, int]:
+    """Positions ``[lo, position)`` a layer must retain to continue from ``position``.
+
+    A full-attention layer (``window is None``) attends to all of history. A sliding layer with
+    window W attends to the new token and the W - 1 before it, so it needs ``W - 1`` prior rows.
+    """
+    if window is None:
+        return 0, position
+    return max(0, position - (window - 1)), position
+
+
+@dataclass(eq=False)  # == on numpy fields is ambiguous; compare arrays explicitly
+class LayerState:
+    """The retained KV rows of one layer: positions ``[start, start + n)``."""
+
+    start: int
+    keys: np.ndarray  # [n, KV, D] in the checkpoint's storage dtype, C-contiguous
+    values: np.ndarray  # [n, KV, D], same shape and dtype as keys
+
+    @property
+    def rows(self) -> int:
+        return int(self.keys.shape[0]) if self.keys.ndim >= 1 else 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.values.nbytes)
+
+
+@dataclass(eq=False)
+class CPUCheckpoint:
+    """Committed state of one session, in host memory, independent of any worker.
+
+    ``format``: ``{"backend": str, "dtype": "float32"|"bfloat16"|"float16", "layout_version": 1}``.
+    ``geometry``: ``{"num_layers": L, "num_kv_heads": KV, "head_dim": D, "windows": [None|W] * L}``.
+    ``position``: the committed boundary captured, ``== len(token_ids)``.
+    ``draft``: ``None`` or ``{"geometry": {...}, "layers": [LayerState], <name>: np.ndarray, ...}``;
+    the extra arrays (e.g. ``pending_token_ids``) travel as payloads under their names.
+    ``identity``: the model/configuration identity it was exported under, if the caller gave one.
+
+    Construction validates internal consistency (:meth:`validate`); restoring at a position also
+    needs :meth:`validate_restore_position`.
+    """
+
+    format: dict
+    geometry: dict
+    position: int
+    token_ids: np.ndarray  # [position] int32
+    layers: list[LayerState]
+    draft: dict | None = None
+    identity: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def dtype(self) -> str:
+        return self.format["dtype"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array: token ids, target KV and draft state."""
+        return sum(int(a.nbytes) for a in _arrays_of(self))
+
+    def validate(self) -> None:
+        """Check internal consistency; raise :class:`CheckpointMalformed` naming the bad field."""
+        _check_format(self.format)
+        _check_geometry(self.geometry, "geometry")
+        position = _check_int(self.position, "position", 1, _MAX_POSITION)
+        tok = self.token_ids
+        if not isinstance(tok, np.ndarray) or tok.dtype != _PAYLOAD_DTYPES["int32"] or tok.ndim != 1:
+            raise CheckpointMalformed(
+                f"token_ids must be a 1-D int32 numpy array, got {_describe(tok)}"
+            )
+        if tok.shape[0] != position:
+            raise CheckpointMalformed(
+                f"len(token_ids) == {tok.shape[0]} but position == {position}; they must be equal"
+            )
+        if not tok.flags.c_contiguous:
+            raise CheckpointMalformed("token_ids must be C-contiguous")
+        if int(tok.min()) < 0:
+            raise CheckpointMalformed("token_ids must be nonnegative")
+        storage = numpy_storage_dtype(self.format["dtype"])
+        _check_layers(self.layers, self.geometry, storage, position, "layers")
+        if self.draft is not None:
+            _check_draft(self.draft, self.format["dtype"], position)
+        if self.identity is not None and not (
+            isinstance(self.identity, str) and 0 < len(self.identity) <= _MAX_STR
+        ):
+            raise CheckpointMalformed(
+                f"identity must be None or a nonempty string of at most {_MAX_STR} characters"
+            )
+
+    def common_prefix_length(self, token_ids: Sequence[int] | np.ndarray) -> int:
+        """How many leading tokens of ``token_ids`` equal this checkpoint's history."""
+        other = np.asarray(token_ids)
+        if other.ndim != 1:
+            raise ValueError(f"token_ids must be one-dimensional, got shape {other.shape}")
+        n = min(int(other.shape[0]), self.position)
+        if n == 0:
+            return 0
+        if other.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must be integers, got dtype {other.dtype}")
+        mismatch = np.flatnonzero(self.token_ids[:n] != other[:n])
+        return int(mismatch[0]) if mismatch.size else n
+
+    def validate_restore_position(self, position: int) -> None:
+        """Raise :class:`CheckpointRetentionError` unless every layer can continue from ``position``."""
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)):
+            raise CheckpointRetentionError(
+                f"restore position must be an integer, got {type(position).__name__}"
+            )
+        position = int(position)
+        if position == 0:
+            raise CheckpointRetentionError(
+                "restore position 0 restores nothing; open a fresh session instead"
+            )
+        if not 1 <= position <= self.position:
+            raise CheckpointRetentionError(
+                f"restore position {position} is outside [1, {self.position}] "
+                "(the checkpoint's committed history)"
+            )
+        groups = [("layer", self.geometry, self.layers)]
+        if self.draft is not None:
+            groups.append(("draft layer", self.draft["geometry"], self.draft["layers"]))
+        for what, geometry, layers in groups:
+            for i, (window, layer) in enumerate(zip(geometry["windows"], layers)):
+                lo, hi = required_rows(window, position)
+                if lo < layer.start or hi > layer.start + layer.rows:
+                    raise CheckpointRetentionError(
+                        f"{what} {i} (window {window}) needs positions [{lo}, {hi}) to continue "
+                        f"from {position} but retains only [{layer.start}, "
+                        f"{layer.start + layer.rows}); choose another checkpoint or a fresh prefill"
+                    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Wire codec
+
+
+def checkpoint_to_wire(ckpt: CPUCheckpoint) -> tuple[dict, list[np.ndarray]]:
+    """Encode ``ckpt`` as ``(manifest, payloads)``; the manifest names payload ``i`` by index.
+
+    The payloads are the checkpoint's own arrays (no copy). A payload reference is the frame's
+    (:func:`~muxworker.transport.framing.attach_payload`): ``{"payload": i, "dtype": <declared
+    dtype>, "shape": [...]}``, so a frame carrying the manifest carries exactly these payloads, in
+    this order.
+    """
+    ckpt.validate()
+    payloads: list[np.ndarray] = []
+    dtype = ckpt.format["dtype"]
+
+    def layers_out(layers: list[LayerState]) -> list[dict]:
+        return [
+            {
+                "start": int(layer.start),
+                "rows": layer.rows,
+                "keys": attach_payload(payloads, layer.keys, dtype=dtype),
+                "values": attach_payload(payloads, layer.values, dtype=dtype),
+            }
+            for layer in layers
+        ]
+
+    manifest: dict[str, Any] = {
+        "version": MANIFEST_VERSION,
+        "format": dict(ckpt.format),
+        "geometry": _geometry_out(ckpt.geometry),
+        "position": int(ckpt.position),
+        "identity": ckpt.identity,
+        "token_ids": attach_payload(payloads, ckpt.token_ids, dtype="int32"),
+        "layers": layers_out(ckpt.layers),
+        "draft": None,
+    }
+    if ckpt.draft is not None:
+        draft_layers = layers_out(ckpt.draft["layers"])
+        arrays = {
+            name: attach_payload(payloads, value, dtype=_payload_dtype_name(value, dtype))
+            for name, value in ckpt.draft.items()
+            if name not in _DRAFT_RESERVED
+        }
+        manifest["draft"] = {
+            "geometry": _geometry_out(ckpt.draft["geometry"]),
+            "layers": draft_layers,
+            "arrays": arrays,
+        }
+    return manifest, payloads
+
+
+def checkpoint_from_wire(manifest: Any, payloads: Sequence[Any]) -> CPUCheckpoint:
+    """Decode a manifest and its payload buffers into a :class:`CPUCheckpoint`.
+
+    The arrays are zero-copy views of ``payloads`` (read-only when the buffers are). Every field is
+    validated; a malformed manifest or a payload of the wrong size raises :class:`CheckpointMalformed`.
+    """
+    m = _expect_map(manifest, "manifest")
+    _expect_keys(
+        m, "manifest",
+        {"version", "format", "geometry", "position", "identity", "token_ids", "layers", "draft"},
+    )
+    version = _check_int(m["version"], "manifest.version", 0, 1 << 31)
+    if version != MANIFEST_VERSION:
+        raise CheckpointMalformed(
+            f"manifest version {version} is not supported (expected {MANIFEST_VERSION})"
+        )
+    if len(payloads) > MAX_PAYLOADS:
+        raise CheckpointMalformed(f"{len(payloads)} payloads is over the bound of {MAX_PAYLOADS}")
+    used = [False] * len(payloads)
+
+    def array_of(r: Any, where: str) -> np.ndarray:
+        r = _expect_map(r, where)
+        _expect_keys(r, where, {"payload", "dtype", "shape"})
+        index = r["payload"]
+        if type(index) is not int or not 0 <= index < len(payloads):
+            raise CheckpointMalformed(
+                f"{where}.payload must index one of the {len(payloads)} payloads, got {index!r}"
+            )
+        if used[index]:
+            raise CheckpointMalformed(f"{where} reuses payload {index}")
+        used[index] = True
+        name = r["dtype"]
+        if not isinstance(name, str) or name not in _PAYLOAD_DTYPES:
+            raise CheckpointMalformed(
+                f"{where}.dtype must be one of {sorted(_PAYLOAD_DTYPES)}, got {name!r}"
+            )
+        dtype = _PAYLOAD_DTYPES[name]
+        shape = r["shape"]
+        if not isinstance(shape, list) or not 1 <= len(shape) <= 4:
+            raise CheckpointMalformed(f"{where}.shape must be a list of 1 to 4 sizes, got {shape!r}")
+        if not all(type(n) is int and 0 <= n <= _MAX_EXTENT for n in shape):
+            raise CheckpointMalformed(
+                f"{where}.shape must list integers in [0, {_MAX_EXTENT}], got {shape!r}"
+            )
+        expected = math.prod(shape) * dtype.itemsize
+        try:
+            view = memoryview(payloads[index])
+        except TypeError:
+            raise CheckpointMalformed(f"payload {index} is not a buffer") from None
+        if not view.c_contiguous:
+            raise CheckpointMalformed(f"payload {index} is not contiguous")
+        if view.nbytes != expected:
+            raise CheckpointMalformed(
+                f"payload {index} ({where}) holds {view.nbytes} bytes; "
+                f"{name} {list(shape)} needs {expected}"
+            )
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B") if view.nbytes else memoryview(b"")
+        return np.frombuffer(view, dtype=dtype).reshape(shape)
+
+    dtype_name = _check_format(m["format"], where="manifest.format")
+    geometry = _geometry_in(m["geometry"], "manifest.geometry")
+    position = _check_int(m["position"], "manifest.position", 1, _MAX_POSITION)
+    identity = m["identity"]
+    if identity is not None and not isinstance(identity, str):
+        raise CheckpointMalformed("manifest.identity must be a string or nil")
+    token_ids = array_of(m["token_ids"], "manifest.token_ids")
+    if m["token_ids"]["dtype"] != "int32":
+        raise CheckpointMalformed("manifest.token_ids must be int32")
+
+    def layers_in(raw: Any, where: str) -> list[LayerState]:
+        if not isinstance(raw, list) or len(raw) > _MAX_LAYERS:
+            raise CheckpointMalformed(f"{where} must be a list of at most {_MAX_LAYERS} layers")
+        out = []
+        for i, entry in enumerate(raw):
+            w = f"{where}[{i}]"
+            entry = _expect_map(entry, w)
+            _expect_keys(entry, w, {"start", "rows", "keys", "values"})
+            start = _check_int(entry["start"], f"{w}.start", 0, _MAX_POSITION)
+            rows = _check_int(entry["rows"], f"{w}.rows", 0, _MAX_POSITION)
+            for part in ("keys", "values"):
+                if _expect_map(entry[part], f"{w}.{part}").get("dtype") != dtype_name:
+                    raise CheckpointMalformed(f"{w}.{part}.dtype must be the format dtype {dtype_name!r}")
+            keys = array_of(entry["keys"], f"{w}.keys")
+            values = array_of(entry["values"], f"{w}.values")
+            if keys.shape[0] != rows:
+                raise CheckpointMalformed(f"{w}.rows is {rows} but its keys hold {keys.shape[0]} rows")
+            out.append(LayerState(start=start, keys=keys, values=values))
+        return out
+
+    layers = layers_in(m["layers"], "manifest.layers")
+    draft = None
+    if m["draft"] is not None:
+        d = _expect_map(m["draft"], "manifest.draft")
+        _expect_keys(d, "manifest.draft", {"geometry", "layers", "arrays"})
+        draft = {
+            "geometry": _geometry_in(d["geometry"], "manifest.draft.geometry"),
+            "layers": layers_in(d["layers"], "manifest.draft.layers"),
+        }
+        arrays = _expect_map(d["arrays"], "manifest.draft.arrays")
+        for name, r in arrays.items():
+            if not isinstance(name, str) or name in _DRAFT_RESERVED or len(name) > _MAX_STR:
+                raise CheckpointMalformed(f"manifest.draft.arrays has an invalid name {name!r}")
+            if _expect_map(r, f"manifest.draft.arrays.{name}").get("dtype") not in ("int32", dtype_name):
+                raise CheckpointMalformed(
+                    f"manifest.draft.arrays.{name}.dtype must be int32 or {dtype_name!r}"
+                )
+            draft[name] = array_of(r, f"manifest.draft.arrays.{name}")
+    unused = [i for i, u in enumerate(used) if not u]
+    if unused:
+        raise CheckpointMalformed(f"payloads {unused} are not referenced by the manifest")
+    return CPUCheckpoint(
+        format=dict(m["format"]),
+        geometry=geometry,
+        position=position,
+        token_ids=token_ids,
+        layers=layers,
+        draft=draft,
+        identity=identity,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation helpers
+
+
+def _arrays_of(ckpt: CPUCheckpoint):
+    yield ckpt.token_ids
+    for layer in ckpt.layers:
+        yield layer.keys
+        yield layer.values
+    if ckpt.draft is not None:
+        for layer in ckpt.draft["layers"]:
+            yield layer.keys
+            yield layer.values
+        for name, value in ckpt.draft.items():
+            if name not in _DRAFT_RESERVED:
+                yield value
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return f"{x.dtype} array of shape {x.shape}"
+    return type(x).__name__
+
+
+def _check_int(value: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise CheckpointMalformed(f"{where} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise CheckpointMalformed(f"{where} must lie in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def _expect_map(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise CheckpointMalformed(f"{where} must be a map, got {type(value).__name__}")
+    return value
+
+
+def _expect_keys(m: dict, where: str, keys: set[str]) -> None:
+    if m.keys() == keys:
+        return
+    missing = keys - m.keys()
+    if missing:
+        raise CheckpointMalformed(f"{where} lacks {sorted(missing)}")
+    extra = m.keys() - keys
+    if extra:
+        raise CheckpointMalformed(f"{where} has unexpected fields {sorted(map(str, extra))}")
+
+
+def _check_extras(m: dict, where: str, known: set[str]) -> None:
+    """Unknown fields of format/geometry may carry scalars (room for later backends), nothing else."""
+    for key, value in m.items():
+        if key in known:
+            continue
+        if not isinstance(key, str) or len(key) > _MAX_STR:
+            raise CheckpointMalformed(f"{where} has an invalid field name {key!r}")
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise CheckpointMalformed(f"{where}.{key} must be a scalar, got {type(value).__name__}")
+        if isinstance(value, str) and len(value) > _MAX_STR:
+            raise CheckpointMalformed(f"{where}.{key} is longer than {_MAX_STR} characters")
+
+
+def _check_format(fmt: Any, where: str = "format") -> str:
+    fmt = _expect_map(fmt, where)
+    missing = {"backend", "dtype", "layout_version"} - fmt.keys()
+    if missing:
+        raise CheckpointMalformed(f"{where} lacks {sorted(missing)}")
+    if not isinstance(fmt["backend"], str) or not 0 < len(fmt["backend"]) <= _MAX_STR:
+        raise CheckpointMalformed(f"{where}.backend must be a nonempty string")
+    numpy_storage_dtype(fmt["dtype"])
+    layout = _check_int(fmt["layout_version"], f"{where}.layout_version", 0, 1 << 31)
+    if layout != LAYOUT_VERSION:
+        raise CheckpointMalformed(
+            f"{where}.layout_version {layout} is not supported (expected {LAYOUT_VERSION})"
+        )
+    _check_extras(fmt, where, {"backend", "dtype", "layout_version"})
+    return fmt["dtype"]
+
+
+_GEOMETRY_KEYS = {"num_layers", "num_kv_heads", "head_dim", "windows"}
+
+
+def _check_geometry(geometry: Any, where: str) -> None:
+    g = _expect_map(geometry, where)
+    missing = _GEOMETRY_KEYS - g.keys()
+    if missing:
+        raise CheckpointMalformed(f"{where} lacks {sorted(missing)}")
+    num_layers = _check_int(g["num_layers"], f"{where}.num_layers", 1, _MAX_LAYERS)
+    _check_int(g["num_kv_heads"], f"{where}.num_kv_heads", 1, _MAX_DIM)
+    _check_int(g["head_dim"], f"{where}.head_dim", 1, _MAX_DIM)
+    windows = g["windows"]
+    if not isinstance(windows, (list, tuple)) or len(windows) != num_layers:
+        raise CheckpointMalformed(f"{where}.windows must list one entry per layer ({num_layers})")
+    for i, w in enumerate(windows):
+        if w is not None:
+            _check_int(w, f"{where}.windows[{i}]", 1, _MAX_POSITION)
+    _check_extras(g, where, _GEOMETRY_KEYS)
+
+
+def _geometry_out(geometry: dict) -> dict:
+    out = dict(geometry)
+    out["windows"] = [None if w is None else int(w) for w in geometry["windows"]]
+    return out
+
+
+def _geometry_in(raw: Any, where: str) -> dict:
+    _check_geometry(raw, where)
+    return dict(raw)
+
+
+def _check_layers(
+    layers: Any, geometry: dict, storage: np.dtype, position: int, where: str
+) -> None:
+    if not isinstance(layers, list) or len(layers) != geometry["num_layers"]:
+        raise CheckpointMalformed(
+            f"{where} must be a list of {geometry['num_layers']} LayerState "
+            f"(geometry.num_layers), got {_describe(layers) if not isinstance(layers, list) else len(layers)}"
+        )
+    kv, d = geometry["num_kv_heads"], geometry["head_dim"]
+    for i, layer in enumerate(layers):
+        w = f"{where}[{i}]"
+        if not isinstance(layer, LayerState):
+            raise CheckpointMalformed(f"{w} must be a LayerState, got {type(layer).__name__}")
+        start = _check_int(layer.start, f"{w}.start", 0, position)
+        for part in ("keys", "values"):
+            a = getattr(layer, part)
+            if (
+                not isinstance(a, np.ndarray)
+                or a.ndim != 3
+                or a.shape[1:] != (kv, d)
+                or a.dtype != storage
+            ):
+                raise CheckpointMalformed(
+                    f"{w}.{part} must be a {storage} array of shape [n, {kv}, {d}], got {_describe(a)}"
+                )
+            if not a.flags.c_contiguous:
+                raise CheckpointMalformed(f"{w}.{part} must be C-contiguous")
+        if layer.keys.shape != layer.values.shape:
+            raise CheckpointMalformed(
+                f"{w}: keys {layer.keys.shape} and values {layer.values.shape} differ in shape"
+            )
+        if start + layer.rows > position:
+            raise CheckpointMalformed(
+                f"{w} holds positions [{start}, {start + layer.rows}) past the committed "
+                f"position {position}"
+            )
+
+
+def _payload_dtype_name(array: Any, kv_dtype: str) -> str:
+    """Declared dtype of a draft array: int32, or the checkpoint's KV dtype (e.g. pending features)."""
+    if isinstance(array, np.ndarray):
+        if array.dtype == _PAYLOAD_DTYPES["int32"]:
+            return "int32"
+        if array.dtype == _STORAGE_DTYPES[kv_dtype]:
+            return kv_dtype
+    raise CheckpointMalformed(
+        f"draft arrays must be int32 or {kv_dtype} (the KV dtype) numpy arrays, got {_describe(array)}"
+    )
+
+
+def _check_draft(draft: Any, kv_dtype: str, position: int) -> None:
+    d = _expect_map(draft, "draft")
+    missing = set(_DRAFT_RESERVED) - d.keys()
+    if missing:
+        raise CheckpointMalformed(f"draft lacks {sorted(missing)}")
+    _check_geometry(d["geometry"], "draft.geometry")
+    _check_layers(
+        d["layers"], d["geometry"], _STORAGE_DTYPES[kv_dtype], position, "draft.layers"
+    )
+    for name, value in d.items():
+        if name in _DRAFT_RESERVED:
+            continue
+        if not isinstance(name, str) or len(name) > _MAX_STR:
+            raise CheckpointMalformed(f"draft has an invalid field name {name!r}")
+        _payload_dtype_name(value, kv_dtype)
+        if not value.flags.c_contiguous or not 1 <= value.ndim <= 4:
+            raise CheckpointMalformed(f"draft[{name!r}] must be a C-contiguous array of 1 to 4 dims")
