@@ -56,6 +56,10 @@ class LayerCache:
         """Write logical rows [start, start+n) ([n, KV, D]) into ``slot``."""
         raise NotImplementedError
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy what slot ``src`` retains at ``length`` into slot ``dst`` (an independent copy)."""
+        raise NotImplementedError
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -92,6 +96,10 @@ class FullLayerCache(LayerCache):
         n = k.shape[0]
         self.k[slot, :, start : start + n] = k.transpose(0, 1)
         self.v[slot, :, start : start + n] = v.transpose(0, 1)
+
+    def copy_slot(self, src, dst, length):
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
 
 
 class RingLayerCache(LayerCache):
@@ -149,6 +157,10 @@ class RingLayerCache(LayerCache):
         self.k[slot].index_copy_(1, idx, k[n - keep :].transpose(0, 1))
         self.v[slot].index_copy_(1, idx, v[n - keep :].transpose(0, 1))
 
+    def copy_slot(self, src, dst, length):
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]
+
 
 class KVCache:
     """All layers' caches for ``slots`` sessions, preallocated once."""
@@ -178,6 +190,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        for layer in self.layers:
+            layer.copy_slot(src, dst, length)
 
     def can_truncate(self, length: int, position: int) -> bool:
         """Whether a slot holding ``length`` rows can continue from ``position`` <= length."""

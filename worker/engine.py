@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -30,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype
+from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -45,9 +44,10 @@ from muxworker.transport.errors import (
     Unsaveable,
 )
 
-from .cache import KVCache
 from .config import EngineConfig
-from .model import SeqSpan, Transformer
+from .executor import Executor
+from .prefix_cache import PrefixCache
+from .model import SeqSpan
 from .sampling import SamplingParams, sample
 from .tokenizer import IncrementalDetokenizer
 
@@ -106,34 +106,32 @@ class _Request:
     t_submit: float = 0.0
     t_first_token: float | None = None
     finished: bool = False
+    fresh: bool = False  # the session had no history: its prefilled prompt may seed the prefix cache
 
 
 class Engine:
     """Continuous batching over named sessions on one model."""
 
-    def __init__(self, model: Transformer, tokenizer: Any, config: EngineConfig) -> None:
-        self.model = model
+    def __init__(
+        self, executor: Executor, tokenizer: Any, config: EngineConfig, *, model_name: str = "", model_path: str = ""
+    ) -> None:
+        self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
-        self.args = model.args
+        self.args = executor.args
+        self.model_name = model_name
+        self.model_path = model_path
         self.readiness = Readiness.PENDING
-        param = model.lm_head.weight
-        self.device = param.device
-        self.dtype = param.dtype
         context = int(self.args.max_position_embeddings)
         if config.max_session_tokens > context:
             raise InvalidArgument(
                 f"max_session_tokens ({config.max_session_tokens}) exceeds the model's context length ({context})"
             )
-        model.setup_rope(config.max_session_tokens)
-        self.cache = KVCache(
-            self.args.windows,
-            config.max_sessions,
-            config.max_session_tokens,
-            self.args.num_kv_heads,
-            int(self.args.head_dim),  # type: ignore[arg-type]
-            self.dtype,
-            self.device,
+        self.cache = executor.cache
+        if self.cache.slots < config.max_sessions + config.prefix_cache_entries:
+            raise InvalidArgument("the executor's cache has fewer slots than max_sessions + prefix_cache_entries")
+        self.prefix_cache = PrefixCache(
+            self.cache, range(config.max_sessions, config.max_sessions + config.prefix_cache_entries)
         )
         self.vocab_size = int(self.args.vocab_size)
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
@@ -150,6 +148,34 @@ class Engine:
         self.on_forward: Callable[[list[str]], None] | None = None
         self.stats = {"forward_calls": 0, "forward_time_s": 0.0}
         self.readiness = Readiness.READY
+
+    # ----------------------------------------------------------------- description
+
+    @property
+    def backend(self) -> str:
+        return self.executor.backend
+
+    @property
+    def device_name(self) -> str:
+        return self.executor.device_name
+
+    @property
+    def dtype_name(self) -> str:
+        return self.executor.dtype_name
+
+    def model_info(self) -> dict[str, Any]:
+        """What the worker's hello says about the model."""
+        tok = self.tokenizer
+        return {
+            "name": self.model_name,
+            "path": self.model_path,
+            "architecture": self.args.architecture,
+            "vocab_size": self.vocab_size,
+            "context_length": int(self.args.max_position_embeddings),
+            "has_chat_template": bool(getattr(tok, "has_chat_template", False)),
+            "bos_token_id": getattr(tok, "bos_token_id", None),
+            "eos_token_ids": list(self.eos_token_ids),
+        }
 
     # ----------------------------------------------------------------- sessions
 
@@ -187,6 +213,8 @@ class Engine:
         s = self._session(sid)
         if s.request is not None:
             self._finish(s.request, "cancelled")
+        # A closed session's history becomes a prefix-cache entry (when the cache is on).
+        self.prefix_cache.insert(s.slot, s.tokens[: s.kv_len])
         del self._sessions[sid]
         self._free_slots.append(s.slot)
 
@@ -277,7 +305,12 @@ class Engine:
         if params.temperature > 0 and seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
         gen = torch.Generator().manual_seed(seed) if params.temperature > 0 else None
+        fresh = s.kv_len == 0
         reused = self._reusable_prefix(s, ids)
+        hit = self.prefix_cache.match(ids, len(ids) - 1)
+        if hit is not None and hit[1] > reused:
+            self.prefix_cache.copy_into(hit[0], s.slot, hit[1])
+            reused = hit[1]
         req = _Request(
             rid=request_id,
             session=s,
@@ -289,6 +322,7 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer, ids),
             reused=reused,
             t_submit=time.perf_counter(),
+            fresh=fresh,
         )
         # Commit the prompt: the session now continues from ``reused`` rows.
         s.tokens = list(ids)
@@ -462,15 +496,7 @@ class Engine:
             self.on_forward([r.session.sid for r in batch_reqs])
         t0 = time.perf_counter()
         try:
-            dev = self.device
-            logits = self.model(
-                torch.tensor(tokens, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                spans,
-                self.cache,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            )
-            logits = logits.cpu()
+            logits = self.executor.forward(tokens, positions, spans, sample_rows)
         except Exception as exc:  # a failed forward ends the requests in this batch only
             for r in batch_reqs:
                 self._finish(r, "error", InternalError(f"forward pass failed: {type(exc).__name__}: {exc}"))
@@ -482,6 +508,8 @@ class Engine:
             r.session.kv_len += 1
         for r, n in chunks:
             r.session.kv_len += n
+            if r.fresh and r.session.kv_len == len(r.prompt):
+                self.prefix_cache.insert(r.session.slot, r.prompt)
         for i, r in enumerate(sample_reqs):
             if r.finished:
                 continue
@@ -490,7 +518,7 @@ class Engine:
     # ----------------------------------------------------------------- checkpoints
 
     def executor_format(self) -> dict[str, Any]:
-        return {"backend": "torch", "dtype": _dtype_name(self.dtype), "layout_version": LAYOUT_VERSION}
+        return {"backend": self.executor.backend, "dtype": self.executor.dtype_name, "layout_version": LAYOUT_VERSION}
 
     def geometry(self) -> dict[str, Any]:
         return {
@@ -521,11 +549,7 @@ class Engine:
                 f"session {sid!r} no longer retains the history position {position} needs "
                 f"(earliest is {self.cache.earliest_position(s.kv_len)})"
             )
-        storage = numpy_storage_dtype(_dtype_name(self.dtype))
-        layers = []
-        for layer in self.cache.layers:
-            start, k, v = layer.export_rows(s.slot, s.kv_len, position)
-            layers.append(LayerState(start, _to_numpy(k, storage), _to_numpy(v, storage)))
+        layers = self.executor.export_layers(s.slot, s.kv_len, position)
         return CPUCheckpoint(
             format=self.executor_format(),
             geometry=self.geometry(),
@@ -570,12 +594,7 @@ class Engine:
         if not self._free_slots:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
         slot = self._free_slots[-1]
-        for layer, state in zip(self.cache.layers, checkpoint.layers):
-            lo = max(state.start, layer.needed(position))
-            a, b = lo - state.start, position - state.start
-            layer.import_rows(
-                slot, lo, _from_numpy(state.keys[a:b], self.dtype, self.device), _from_numpy(state.values[a:b], self.dtype, self.device)
-            )
+        self.executor.import_layers(slot, position, checkpoint.layers)
         self._free_slots.pop()
         self._sessions[sid] = _Session(sid, slot, ids.tolist(), position, None, None)
 
@@ -591,24 +610,3 @@ class Engine:
         out, self._outputs = self._outputs, []
         return out
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _to_numpy(t: torch.Tensor, storage: np.dtype) -> np.ndarray:
-    """An independent C-contiguous host copy; bfloat16 as its raw uint16 bits."""
-    t = t.detach().to("cpu", copy=True).contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.uint16)
-    return t.numpy().view(storage)
-
-
-def _from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor view of host rows (read-only payload buffers are fine: the cache copies them)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype == torch.bfloat16:
-        t = t.view(torch.bfloat16)
-    return t.to(device)

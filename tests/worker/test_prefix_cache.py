@@ -1,0 +1,112 @@
+"""Prefix cache: shared prompt prefixes are copied, not recomputed, and never leak between sessions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muxworker.worker.build import load_engine
+from muxworker.worker.config import EngineConfig
+from muxworker.worker.sampling import SamplingParams
+
+from test_engine import greedy, prompt_ids, run
+
+
+def make(model_dir, **cfg):
+    cfg.setdefault("max_session_tokens", 2048)
+    return load_engine(model_dir, EngineConfig(**cfg), device="cpu", dtype=torch.float32, progress=None)
+
+
+def test_shared_system_prompt_prefills_only_the_rest_and_matches_cache_off(tiny_llama_dir):
+    system = prompt_ids(1000, 1)
+    users = [prompt_ids(20 + i, 10 + i) for i in range(3)]
+    off = make(tiny_llama_dir)
+    expected = []
+    for i, u in enumerate(users):
+        off.open_session(f"s{i}")
+        off.submit(i + 1, f"s{i}", system + u, greedy(8))
+        expected.append(run(off)[i + 1][1]["generated_token_ids"])
+    on = make(tiny_llama_dir, prefix_cache_entries=2)
+    for i, u in enumerate(users):
+        on.open_session(f"s{i}")
+        on.submit(i + 1, f"s{i}", system + u, greedy(8))
+        res = run(on)[i + 1][1]
+        if i == 0:
+            assert (res["reused_prompt_tokens"], res["prefilled_prompt_tokens"]) == (0, 1000 + len(u))
+        else:
+            assert res["reused_prompt_tokens"] == 1000
+            assert res["prefilled_prompt_tokens"] == len(u)
+        assert res["generated_token_ids"] == expected[i]
+    assert on.prefix_cache.hits == 2
+
+
+def test_prompt_equal_to_entry_reruns_last_token(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=1)
+    p = prompt_ids(50, 2)
+    eng.open_session("a")
+    eng.submit(1, "a", p, greedy(3))
+    run(eng)
+    eng.open_session("b")
+    eng.submit(2, "b", p, greedy(3))
+    res = run(eng)[2][1]
+    assert (res["reused_prompt_tokens"], res["prefilled_prompt_tokens"]) == (49, 1)
+
+
+def test_lru_eviction_order_and_closed_sessions_become_entries(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=2)
+    a, b, c = prompt_ids(10, 3), prompt_ids(10, 4), prompt_ids(10, 5)
+    for i, p in enumerate((a, b)):
+        eng.open_session(f"s{i}")
+        eng.submit(i + 1, f"s{i}", p, greedy(2))
+        run(eng)
+    assert eng.prefix_cache.entries() == [a, b]
+    # Using a makes b the least recently used (a's extension supersedes a); a third entry evicts b.
+    eng.open_session("x")
+    eng.submit(10, "x", a + [7, 8], greedy(2))
+    assert run(eng)[10][1]["reused_prompt_tokens"] == 10
+    eng.open_session("y")
+    eng.submit(11, "y", c, greedy(2))
+    run(eng)
+    assert eng.prefix_cache.entries() == [a + [7, 8], c]
+    # Closing a session stores its whole history (a superset of c replaces c).
+    hist = eng.session_tokens("y")[:-1]
+    eng.close_session("y")
+    assert eng.prefix_cache.entries() == [a + [7, 8], hist]
+
+
+def test_sliding_window_never_reuses_rows_it_no_longer_holds(tiny_mistral_dir):
+    eng = make(tiny_mistral_dir, prefix_cache_entries=2)  # window 16
+    base = prompt_ids(40, 6)
+    eng.open_session("a")
+    eng.submit(1, "a", base, greedy(2))
+    run(eng)
+    eng.open_session("b")
+    eng.submit(2, "b", base[:30] + prompt_ids(5, 7), greedy(4))
+    res = run(eng)[2][1]
+    assert res["reused_prompt_tokens"] == 0  # position 30 needs rows 15..29; the ring holds 24..39
+    eng.open_session("c")
+    p = base + prompt_ids(5, 8)
+    eng.submit(3, "c", p, greedy(4))
+    res = run(eng)[3][1]
+    assert res["reused_prompt_tokens"] == 40
+    cold = make(tiny_mistral_dir)
+    cold.open_session("c")
+    cold.submit(1, "c", p, greedy(4))
+    assert run(cold)[1][1]["generated_token_ids"] == res["generated_token_ids"]
+
+
+def test_entries_are_isolated_from_sessions(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=2)
+    p = prompt_ids(30, 9)
+    eng.open_session("a")
+    eng.submit(1, "a", p, greedy(2))
+    run(eng)
+    entry_slot = eng.prefix_cache.entry_slot(p)
+    layer = eng.cache.layers[0]
+    before = layer.k[entry_slot, :, :30].clone()
+    eng.open_session("b")
+    eng.submit(2, "b", p[:20] + prompt_ids(40, 10), greedy(20))
+    assert run(eng)[2][1]["reused_prompt_tokens"] == 20
+    assert torch.equal(layer.k[entry_slot, :, :30], before)
+    eng.submit(3, "a", p + prompt_ids(5, 11), SamplingParams(max_new_tokens=5, stop_token_ids=[]))
+    run(eng)
+    assert torch.equal(layer.k[entry_slot, :, :30], before)

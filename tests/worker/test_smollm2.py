@@ -1,0 +1,84 @@
+"""The bundled SmolLM2-135M-Instruct end to end in-process, against transformers on the same GGUF."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muxworker.worker.build import load_engine
+from muxworker.worker.config import EngineConfig
+from muxworker.worker.loader import bundled_gguf_path
+from muxworker.worker.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse coding assistant."},
+        {"role": "user", "content": "Write a Python function that reverses a string."},
+    ],
+    [{"role": "user", "content": "Name three colours of the rainbow."}],
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    import transformers
+
+    gguf = bundled_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine(None, EngineConfig(max_sessions=4, max_session_tokens=1024), dtype="float32", progress=None)
+
+
+def test_greedy_chat_continuations_match_transformers(engine, reference):
+    tok, model = reference
+    for i, messages in enumerate(CHATS):
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenizer.encode(text)
+        assert ids == tok(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+        ref_new = ref[0, len(ids) :].tolist()  # may end early at the model's EOS
+        sid = f"chat{i}"
+        engine.open_session(sid)
+        engine.submit(i + 1, sid, ids, SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=[]))
+        result = None
+        while engine.has_work():
+            for out in engine.step():
+                if out.result is not None:
+                    result = out.result
+        engine.close_session(sid)
+        assert len(ref_new) >= 8
+        assert result["generated_token_ids"][: len(ref_new)] == ref_new, (messages, tok.decode(ref_new))
+
+
+def test_eight_sessions_together_equal_alone(engine):
+    """Batching invariance on the real model (greedy, float32)."""
+    prompts = [engine.tokenizer.encode(f"Count from {i} to {i + 10}: ") for i in range(4)]
+    params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[])
+
+    def go(batch):
+        for j, p in batch:
+            engine.open_session(f"b{j}")
+            engine.submit(100 + j, f"b{j}", p, params)
+        res = {}
+        while engine.has_work():
+            for out in engine.step():
+                if out.result is not None:
+                    res[out.request_id - 100] = out.result["generated_token_ids"]
+        for j, _ in batch:
+            engine.close_session(f"b{j}")
+        return res
+
+    alone = {}
+    for j, p in enumerate(prompts):
+        alone.update(go([(j, p)]))
+    together = go(list(enumerate(prompts)))
+    assert together == alone

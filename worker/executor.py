@@ -1,0 +1,115 @@
+"""Executors: a model plus its KV cache behind the small interface the engine schedules against.
+
+The engine never touches tensors of a backend; it hands an executor a packed batch as plain lists
+and gets float32 logits back on the CPU, and it moves checkpoint rows through ``LayerState``
+(numpy, logical layout). ``TorchExecutor`` runs on CPU or CUDA; an MLX executor mirrors it.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
+
+from .cache import KVCache
+from .config import ModelArgs
+from .model import SeqSpan, Transformer
+
+
+class Executor(Protocol):
+    backend: str
+    args: ModelArgs
+    cache: KVCache  # anything with can_truncate / earliest_position / windows / nbytes
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    @property
+    def device_name(self) -> str: ...
+
+    def forward(
+        self, tokens: list[int], positions: list[int], spans: list[SeqSpan], logits_rows: list[int]
+    ) -> torch.Tensor:
+        """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
+        ...
+
+    def export_layers(self, slot: int, length: int, position: int) -> list[LayerState]: ...
+
+    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> None: ...
+
+
+class TorchExecutor:
+    backend = "torch"
+
+    def __init__(self, model: Transformer, slots: int, max_session_tokens: int) -> None:
+        self.model = model
+        self.args = model.args
+        param = model.lm_head.weight
+        self.device = param.device
+        self.dtype = param.dtype
+        model.setup_rope(max_session_tokens)
+        self.cache = KVCache(
+            self.args.windows,
+            slots,
+            max_session_tokens,
+            self.args.num_kv_heads,
+            int(self.args.head_dim),  # type: ignore[arg-type]
+            self.dtype,
+            self.device,
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def device_name(self) -> str:
+        return str(self.device)
+
+    def forward(self, tokens, positions, spans, logits_rows):
+        dev = self.device
+        logits = self.model(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            spans,
+            self.cache,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        return logits.cpu()
+
+    def export_layers(self, slot, length, position):
+        storage = numpy_storage_dtype(self.dtype_name)
+        out = []
+        for layer in self.cache.layers:
+            start, k, v = layer.export_rows(slot, length, position)
+            out.append(LayerState(start, _to_numpy(k, storage), _to_numpy(v, storage)))
+        return out
+
+    def import_layers(self, slot, position, layers):
+        for layer, state in zip(self.cache.layers, layers):
+            lo = max(state.start, layer.needed(position))
+            a, b = lo - state.start, position - state.start
+            k = _from_numpy(state.keys[a:b], self.dtype, self.device)
+            v = _from_numpy(state.values[a:b], self.dtype, self.device)
+            layer.import_rows(slot, lo, k, v)
+
+
+def _to_numpy(t: torch.Tensor, storage: np.dtype) -> np.ndarray:
+    """An independent C-contiguous host copy; bfloat16 as its raw uint16 bits."""
+    t = t.detach().to("cpu", copy=True).contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16)
+    return t.numpy().view(storage)
+
+
+def _from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor view of host rows (read-only payload buffers are fine: the cache copies them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    if dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.to(device)
