@@ -189,6 +189,20 @@ int mux_crc32c_hw_available(void) {
 #endif
 }
 
+/* Build every table and probe the CPU once, when the library is loaded (the loader runs this
+ * single-threaded). The lazy checks above then never race: the functions run with the GIL
+ * released, and two threads filling a table while a third reads it would be a data race. */
+__attribute__((constructor)) static void mux_crc32c_init(void) {
+    crc_init_tables();
+#if HAVE_HW
+    if (mux_crc32c_hw_available()) {
+#if defined(__x86_64__) || defined(_M_X64)
+        shift_init();
+#endif
+    }
+#endif
+}
+
 uint32_t mux_crc32c(uint32_t crc, const unsigned char *buf, size_t len) {
 #if HAVE_HW
     if (mux_crc32c_hw_available()) return ~crc_hw_raw(~crc, buf, len);

@@ -1,0 +1,102 @@
+"""The wire between the client and the worker, shared by both ends.
+
+A frame is a fixed little-endian header, a msgpack control map and zero or more raw payloads
+(docs/PROTOCOL.md). The worker uses the blocking fd end (:class:`FdFrameReader`,
+:class:`FdFrameWriter`), the client the trio end (:class:`TrioFrameReader`,
+:class:`TrioFrameWriter`); :func:`validate` checks every message kind against one table, and
+:mod:`.errors` holds the error class for each wire error code.
+"""
+from __future__ import annotations
+
+from .errors import (
+    ERROR_CLASSES,
+    CapacityExhausted,
+    CheckpointRejected,
+    ContextOverflow,
+    InternalError,
+    InvalidArgument,
+    MuxError,
+    NotReady,
+    ProtocolError,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+    SlowConsumer,
+    Unsaveable,
+    error_from_wire,
+)
+from .fdio import FDS_ENV, PIPE_SIZE, FdFrameReader, FdFrameWriter, WorkerPipes, make_pipe, worker_fd_args, worker_fds
+from .framing import (
+    DEFAULT_LIMITS,
+    DTYPES,
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Frame,
+    FrameDecoder,
+    FrameLimits,
+    attach_payload,
+    encode_frame,
+    payload_array,
+)
+from .schema import (
+    MAX_REQUEST_ID,
+    MAX_SESSION_ID_BYTES,
+    MESSAGES,
+    check_hello,
+    error_control,
+    hello_control,
+    validate,
+)
+from .trio_stream import TrioFrameReader, TrioFrameWriter
+
+__all__ = [
+    # errors
+    "MuxError",
+    "InvalidArgument",
+    "NotReady",
+    "SessionNotFound",
+    "SessionExists",
+    "SessionBusy",
+    "CapacityExhausted",
+    "ContextOverflow",
+    "SlowConsumer",
+    "InternalError",
+    "ProtocolError",
+    "Unsaveable",
+    "CheckpointRejected",
+    "ERROR_CLASSES",
+    "error_from_wire",
+    # framing
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "HEADER_SIZE",
+    "DTYPES",
+    "FrameLimits",
+    "DEFAULT_LIMITS",
+    "Frame",
+    "FrameDecoder",
+    "encode_frame",
+    "attach_payload",
+    "payload_array",
+    # blocking fd end and the fd convention
+    "FdFrameReader",
+    "FdFrameWriter",
+    "PIPE_SIZE",
+    "FDS_ENV",
+    "make_pipe",
+    "WorkerPipes",
+    "worker_fd_args",
+    "worker_fds",
+    # trio end
+    "TrioFrameReader",
+    "TrioFrameWriter",
+    # schema
+    "MESSAGES",
+    "MAX_REQUEST_ID",
+    "MAX_SESSION_ID_BYTES",
+    "validate",
+    "check_hello",
+    "hello_control",
+    "error_control",
+]

@@ -114,7 +114,8 @@ class CPUCheckpoint:
     ``geometry``: ``{"num_layers": L, "num_kv_heads": KV, "head_dim": D, "windows": [None|W] * L}``.
     ``position``: the committed boundary captured, ``== len(token_ids)``.
     ``draft``: ``None`` or ``{"geometry": {...}, "layers": [LayerState], <name>: np.ndarray, ...}``;
-    the extra arrays (e.g. ``pending_token_ids``) travel as payloads under their names.
+    the extra arrays (e.g. ``pending_token_ids``) travel as payloads under their names. The draft's
+    layers may end before ``position`` (:attr:`draft_position`): a draft continues from there.
     ``identity``: the model/configuration identity it was exported under, if the caller gave one.
 
     Construction validates internal consistency (:meth:`validate`); restoring at a position also
@@ -170,6 +171,15 @@ class CPUCheckpoint:
                 f"identity must be None or a nonempty string of at most {_MAX_STR} characters"
             )
 
+    @property
+    def draft_position(self) -> int | None:
+        """Where the draft's KV ends: the position its layers reach (<= ``position``), None without a
+        draft. A draft may lag the target by committed tokens it has not been fed yet; an engine
+        carries those in a draft array (``pending_token_ids``)."""
+        if self.draft is None:
+            return None
+        return max(layer.start + layer.rows for layer in self.draft["layers"])
+
     def common_prefix_length(self, token_ids: Sequence[int] | np.ndarray) -> int:
         """How many leading tokens of ``token_ids`` equal this checkpoint's history."""
         other = np.asarray(token_ids)
@@ -199,16 +209,18 @@ class CPUCheckpoint:
                 f"restore position {position} is outside [1, {self.position}] "
                 "(the checkpoint's committed history)"
             )
-        groups = [("layer", self.geometry, self.layers)]
+        groups = [("layer", self.geometry, self.layers, position)]
         if self.draft is not None:
-            groups.append(("draft layer", self.draft["geometry"], self.draft["layers"]))
-        for what, geometry, layers in groups:
+            # A draft that lags the target continues from where its own rows end.
+            at = min(position, self.draft_position)
+            groups.append(("draft layer", self.draft["geometry"], self.draft["layers"], at))
+        for what, geometry, layers, at in groups:
             for i, (window, layer) in enumerate(zip(geometry["windows"], layers)):
-                lo, hi = required_rows(window, position)
+                lo, hi = required_rows(window, at)
                 if lo < layer.start or hi > layer.start + layer.rows:
                     raise CheckpointRetentionError(
                         f"{what} {i} (window {window}) needs positions [{lo}, {hi}) to continue "
-                        f"from {position} but retains only [{layer.start}, "
+                        f"from {at} but retains only [{layer.start}, "
                         f"{layer.start + layer.rows}); choose another checkpoint or a fresh prefill"
                     )
 
