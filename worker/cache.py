@@ -1,10 +1,11 @@
 """KV cache: one small interface, two layouts.
 
 ``FullLayerCache`` keeps every row of a slot; ``RingLayerCache`` keeps the last ``window`` rows of a
-sliding-window layer. Both are preallocated once, for ``slots`` sessions, and both answer the same
-questions: which positions does a slot still hold, give me keys/values for attention while writing
-new rows, export logical rows ``[positions, KV, D]`` and import them back. Checkpoints are built from
-that interface only, so any layout that implements it is saveable.
+sliding-window layer (plus optional spare rows for speculative rollback, see ``RingLayerCache``).
+Both are preallocated once, for ``slots`` sessions, and both answer the same questions: which
+positions does a slot still hold, give me keys/values for attention while writing new rows, export
+logical rows ``[positions, KV, D]`` and import them back. Checkpoints are built from that interface
+only, so any layout that implements it is saveable.
 
 Owner: the engine thread. Nothing else reads or writes these tensors.
 """
@@ -48,6 +49,13 @@ class LayerCache:
         """Write rows for positions [start, start+T) and return what those queries attend to."""
         raise NotImplementedError
 
+    def decode_kv(
+        self, slots: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batched single-token decode: write row ``positions[b]`` of ``slots[b]`` ([B, KV, D] each)
+        and return padded keys/values [B, KV, L, D] with a mask [B, 1, 1, L] of the valid rows."""
+        raise NotImplementedError
+
     def export_rows(self, slot: int, length: int, position: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Rows this slot retains below ``position``: (start, k [n, KV, D], v [n, KV, D]) on this device."""
         raise NotImplementedError
@@ -89,6 +97,16 @@ class FullLayerCache(LayerCache):
         self.v[slot, :, start:end] = v_new.transpose(0, 1)
         return AttentionKV(self.k[slot, :, :end], self.v[slot, :, :end], 0)
 
+    def decode_kv(self, slots, positions, k_new, v_new):
+        self.k[slots, :, positions] = k_new
+        self.v[slots, :, positions] = v_new
+        n = int(positions.max()) + 1
+        # Slice before indexing so only the n live rows of each slot are gathered.
+        k = self.k[:, :, :n][slots]
+        v = self.v[:, :, :n][slots]
+        mask = torch.arange(n, device=k.device) <= positions.unsqueeze(1)  # [B, L]
+        return k, v, mask[:, None, None, :]
+
     def export_rows(self, slot, length, position):
         return 0, self.k[slot, :, :position].transpose(0, 1), self.v[slot, :, :position].transpose(0, 1)
 
@@ -103,11 +121,23 @@ class FullLayerCache(LayerCache):
 
 
 class RingLayerCache(LayerCache):
-    """Sliding-window attention: row ``p % window`` holds position p. Layout [slots, KV, W, D]."""
+    """Sliding-window attention: row ``p % capacity`` holds position p. Layout [slots, KV, C, D].
 
-    def __init__(self, slots: int, window: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+    ``capacity`` C is ``window`` W plus ``spare`` rows. The spare rows let a slot roll back: a slot
+    of length n that writes rows up to L may continue from any length m with n <= m <= L and
+    L - m <= spare, because the ring still holds the W positions before m. Speculative decoding
+    writes drafted rows and then rolls back past the rejected ones. The stale rows a rollback leaves
+    behind may have overwritten positions older than the window, so ``retained`` never counts the
+    spare rows: only the last W positions are reported, as without spare rows.
+    """
+
+    def __init__(self, slots: int, window: int, kv_heads: int, head_dim: int, dtype, device, spare: int = 0) -> None:
+        if spare < 0:
+            raise ValueError(f"spare rows must be >= 0, got {spare}")
         self.window = window
-        self.k = torch.zeros(slots, kv_heads, window, head_dim, dtype=dtype, device=device)
+        self.spare = spare
+        self.capacity = window + spare
+        self.k = torch.zeros(slots, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
     def retained(self, length: int) -> tuple[int, int]:
@@ -117,17 +147,24 @@ class RingLayerCache(LayerCache):
         return max(0, position - (self.window - 1))
 
     def _ring_index(self, lo: int, hi: int) -> torch.Tensor:
-        return torch.arange(lo, hi, device=self.k.device) % self.window
+        return torch.arange(lo, hi, device=self.k.device) % self.capacity
 
     def attention_kv(self, slot, start, k_new, v_new):
-        w = self.window
+        w, c = self.window, self.capacity
         t = k_new.shape[0]
         if t == 1:
-            self.k[slot, :, start % w] = k_new[0]
-            self.v[slot, :, start % w] = v_new[0]
-            n = min(start + 1, w)
-            # When start + 1 >= w every ring row is inside the window, in rotated order.
-            return AttentionKV(self.k[slot, :, :n], self.v[slot, :, :n], max(0, start + 1 - w), ordered=start < w)
+            self.k[slot, :, start % c] = k_new[0]
+            self.v[slot, :, start % c] = v_new[0]
+            lo = max(0, start + 1 - w)
+            if c == w:
+                n = min(start + 1, w)
+                # When start + 1 >= w every ring row is inside the window, in rotated order.
+                return AttentionKV(self.k[slot, :, :n], self.v[slot, :, :n], lo, ordered=start < w)
+            if start < c:  # not wrapped yet: positions [lo, start] are rows [lo, start]
+                return AttentionKV(self.k[slot, :, lo : start + 1], self.v[slot, :, lo : start + 1], lo)
+            # The ring holds spare rows outside the window: gather exactly the window, in order.
+            idx = self._ring_index(lo, start + 1)
+            return AttentionKV(self.k[slot].index_select(1, idx), self.v[slot].index_select(1, idx), lo)
         lo = max(0, start - (w - 1))
         if lo < start:
             idx = self._ring_index(lo, start)
@@ -135,12 +172,24 @@ class RingLayerCache(LayerCache):
             v = torch.cat([self.v[slot].index_select(1, idx), v_new.transpose(0, 1)], dim=1)
         else:
             k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)
-        # Only the last w new rows survive in the ring.
-        keep = min(t, w)
+        # Only the last c new rows survive in the ring.
+        keep = min(t, c)
         idx = self._ring_index(start + t - keep, start + t)
         self.k[slot].index_copy_(1, idx, k_new[t - keep :].transpose(0, 1))
         self.v[slot].index_copy_(1, idx, v_new[t - keep :].transpose(0, 1))
         return AttentionKV(k, v, lo)
+
+    def decode_kv(self, slots, positions, k_new, v_new):
+        w = self.window
+        self.k[slots, :, positions % w] = k_new
+        self.v[slots, :, positions % w] = v_new
+        n = min(int(positions.max()) + 1, w)
+        k = self.k[:, :, :n][slots]
+        v = self.v[:, :, :n][slots]
+        # Rows [0, min(p + 1, w)) hold positions inside the window (all w once p >= w - 1).
+        valid = torch.clamp(positions + 1, max=w)
+        mask = torch.arange(n, device=k.device) < valid.unsqueeze(1)
+        return k, v, mask[:, None, None, :]
 
     def export_rows(self, slot, length, position):
         # Exactly what continuing from ``position`` needs, so a re-export equals the original.
@@ -152,7 +201,7 @@ class RingLayerCache(LayerCache):
 
     def import_rows(self, slot, start, k, v):
         n = k.shape[0]
-        keep = min(n, self.window)
+        keep = min(n, self.capacity)
         idx = self._ring_index(start + n - keep, start + n)
         self.k[slot].index_copy_(1, idx, k[n - keep :].transpose(0, 1))
         self.v[slot].index_copy_(1, idx, v[n - keep :].transpose(0, 1))
@@ -174,13 +223,20 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        rollback_rows: int = 0,
     ) -> None:
+        """``rollback_rows``: how many rows past a slot's length a caller may write and then drop
+        (speculative decoding); ring layers get that many spare rows (capacity W + rollback_rows,
+        never more than ``max_tokens``)."""
+        if rollback_rows < 0:
+            raise ValueError(f"rollback_rows must be >= 0, got {rollback_rows}")
         self.slots = slots
         self.max_tokens = max_tokens
+        self.rollback_rows = rollback_rows
         self.layers: list[LayerCache] = [
             FullLayerCache(slots, max_tokens, kv_heads, head_dim, dtype, device)
             if w is None or w >= max_tokens
-            else RingLayerCache(slots, w, kv_heads, head_dim, dtype, device)
+            else RingLayerCache(slots, w, kv_heads, head_dim, dtype, device, spare=min(rollback_rows, max_tokens - w))
             for w in windows
         ]
         # The logical windows (a window >= max_tokens behaves like full attention but is still

@@ -80,6 +80,19 @@ class Attention(nn.Module):
         k = k * cos_ + rotate_half(k) * sin_
         layer_cache = cache.layers[self.layer_idx]
         out = torch.empty_like(q)  # [N, H, D]
+        gqa = self.n_kv != self.n_heads
+        decode = [s for s in spans if s.length == 1]
+        if len(decode) > 1:
+            # All single-token decodes in one padded attention call: one kernel launch, not B.
+            rows = torch.tensor([s.offset for s in decode], device=x.device)
+            slots = torch.tensor([s.slot for s in decode], device=x.device)
+            pos = torch.tensor([s.start for s in decode], device=x.device)
+            kb, vb, mask = layer_cache.decode_kv(slots, pos, k[rows], v[rows])  # [B, KV, L, D]
+            o = F.scaled_dot_product_attention(
+                q[rows].unsqueeze(2), kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            )  # [B, H, 1, D]
+            out[rows] = o[:, :, 0]
+            spans = [s for s in spans if s.length != 1]
         for s in spans:
             rows = slice(s.offset, s.offset + s.length)
             kv = layer_cache.attention_kv(s.slot, s.start, k[rows], v[rows])
@@ -97,10 +110,8 @@ class Attention(nn.Module):
                     mask = kpos <= qpos
                     if self.window is not None:
                         mask &= kpos > qpos - self.window
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
-            )  # [1, H, T, D]
-            out[rows] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
+            out[rows] = o[0].transpose(0, 1)  # [T, H, D]
         return self.o_proj(out.view(n, self.n_heads * self.head_dim))
 
 
