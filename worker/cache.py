@@ -180,15 +180,21 @@ class RingLayerCache(LayerCache):
         return AttentionKV(k, v, lo)
 
     def decode_kv(self, slots, positions, k_new, v_new):
-        w = self.window
-        self.k[slots, :, positions % w] = k_new
-        self.v[slots, :, positions % w] = v_new
-        n = min(int(positions.max()) + 1, w)
+        w, c = self.window, self.capacity
+        self.k[slots, :, positions % c] = k_new
+        self.v[slots, :, positions % c] = v_new
+        n = min(int(positions.max()) + 1, c)
         k = self.k[:, :, :n][slots]
         v = self.v[:, :, :n][slots]
-        # Rows [0, min(p + 1, w)) hold positions inside the window (all w once p >= w - 1).
-        valid = torch.clamp(positions + 1, max=w)
-        mask = torch.arange(n, device=k.device) < valid.unsqueeze(1)
+        if c == w:
+            # Rows [0, min(p + 1, w)) hold positions inside the window (all w once p >= w - 1).
+            valid = torch.clamp(positions + 1, max=w)
+            mask = torch.arange(n, device=k.device) < valid.unsqueeze(1)
+        else:
+            # Row i holds position p - back, back = (p - i) mod C: valid when 0 <= p - back and
+            # back < W (the spare rows hold positions older than the window, or stale drafts).
+            back = (positions.unsqueeze(1) - torch.arange(n, device=k.device)) % c  # [B, L]
+            mask = (back < w) & (back <= positions.unsqueeze(1))
         return k, v, mask[:, None, None, :]
 
     def export_rows(self, slot, length, position):

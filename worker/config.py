@@ -163,6 +163,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     prefix_cache_entries: int = 0
     seed: int | None = None
+    n_draft: int = 0  # tokens a draft model proposes per session per step (needs a draft model)
 
     def __post_init__(self) -> None:
         for name in (
@@ -177,3 +178,5 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.prefix_cache_entries < 0:
             raise ConfigError(f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries!r}")
+        if not isinstance(self.n_draft, int) or isinstance(self.n_draft, bool) or self.n_draft < 0:
+            raise ConfigError(f"n_draft must be an integer >= 0, got {self.n_draft!r}")

@@ -17,6 +17,17 @@ History semantics (what a session commits):
 - A failed forward pass empties the histories of the sessions in that batch.
 A session whose last turn was cancelled, failed or cut by a stop string is not saveable until a
 later clean turn.
+
+Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULATIVE.md):
+- The draft has its own KV cache with the same slots and, per session, its own length
+  ``draft_len`` <= ``kv_len``. Committed tokens tokens[draft_len:kv_len] are *pending*: the draft
+  has not been fed them yet; its next forward feeds them before proposing.
+- Each step the draft proposes up to n_draft tokens for every decoding session (one batched draft
+  forward per drafted position); the target then scores all of them in its one forward, a span of
+  1 + k rows per session. Accepted drafts and one target token are committed; both caches roll back
+  past the rejected rows by setting their lengths (ring layers have n_draft spare rows for that).
+- Prefill chunks are fed to the draft in its first forward of the step, so after a prefill the
+  draft is level with the target.
 """
 from __future__ import annotations
 
@@ -29,7 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint
+from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -48,12 +59,40 @@ from .config import EngineConfig
 from .executor import Executor
 from .prefix_cache import PrefixCache
 from .model import SeqSpan
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, sample_draft, verify_drafts
 from .tokenizer import IncrementalDetokenizer
 
 MAX_SESSION_ID_BYTES = 1024
 
 Prompt = str | Sequence[int] | Sequence[str | Sequence[int]]
+
+
+def _rollback_rows(cache: Any) -> int:
+    """Rows a slot of ``cache`` may write past its length and then drop (see cache.RingLayerCache)."""
+    rows = getattr(cache, "rollback_rows", None)
+    if rows is not None:
+        return int(rows)
+    # A cache without spare ring rows can still roll back when no layer is a ring.
+    if all(w is None or w >= cache.max_tokens for w in cache.windows):
+        return cache.max_tokens
+    return 0
+
+
+def _geometry(executor: Executor) -> dict[str, Any]:
+    args = executor.args
+    return {
+        "num_layers": int(args.num_hidden_layers),
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": int(args.head_dim),  # type: ignore[arg-type]
+        "windows": list(executor.cache.windows),
+    }
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class Readiness(enum.Enum):
@@ -86,6 +125,9 @@ class _Session:
     kv_len: int = 0
     request: "_Request | None" = None
     unsaveable: str | None = "empty"  # why it cannot be exported now, None when it can
+    # Rows [0, draft_len) of the draft's cache slot hold the draft's KV of tokens[:draft_len];
+    # always <= kv_len (0 without a draft). tokens[draft_len:kv_len] are pending for the draft.
+    draft_len: int = 0
 
 
 @dataclass
@@ -107,14 +149,35 @@ class _Request:
     t_first_token: float | None = None
     finished: bool = False
     fresh: bool = False  # the session had no history: its prefilled prompt may seed the prefix cache
+    draft_proposed: int = 0  # tokens the draft proposed for this request
+    draft_accepted: int = 0  # of those, tokens the target accepted and the session committed
+
+
+@dataclass
+class _Proposal:
+    """The draft's tokens for one decoding request in one step."""
+
+    tokens: list[int]
+    probs: list[torch.Tensor]  # q [V] each token was drawn from; empty when greedy
 
 
 class Engine:
     """Continuous batching over named sessions on one model."""
 
     def __init__(
-        self, executor: Executor, tokenizer: Any, config: EngineConfig, *, model_name: str = "", model_path: str = ""
+        self,
+        executor: Executor,
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        model_name: str = "",
+        model_path: str = "",
+        draft: Executor | None = None,
+        draft_name: str = "",
     ) -> None:
+        """``draft``: a draft model's executor for speculative decoding (with ``config.n_draft`` > 0);
+        it must share the target's vocabulary (the caller checks that the tokenizers agree), dtype
+        and slot count."""
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
@@ -134,6 +197,11 @@ class Engine:
             self.cache, range(config.max_sessions, config.max_sessions + config.prefix_cache_entries)
         )
         self.vocab_size = int(self.args.vocab_size)
+        self.draft = draft
+        self.draft_name = draft_name
+        self.n_draft = config.n_draft
+        if draft is not None or config.n_draft:
+            self._check_draft(draft, config)
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self._sessions: dict[str, _Session] = {}
         self._free_slots: list[int] = list(range(config.max_sessions - 1, -1, -1))
@@ -146,8 +214,39 @@ class Engine:
         self._closed = False
         # Test and benchmark hook: called with the session ids of every forward pass.
         self.on_forward: Callable[[list[str]], None] | None = None
-        self.stats = {"forward_calls": 0, "forward_time_s": 0.0}
+        self.stats = {"forward_calls": 0, "forward_time_s": 0.0, "draft_forward_calls": 0, "draft_forward_time_s": 0.0}
         self.readiness = Readiness.READY
+
+    def _check_draft(self, draft: Executor | None, config: EngineConfig) -> None:
+        if draft is None:
+            raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
+        if config.n_draft < 1:
+            raise InvalidArgument("a draft model needs n_draft >= 1 (tokens proposed per step)")
+        draft_vocab = int(draft.args.vocab_size)
+        if draft_vocab != self.vocab_size:
+            raise InvalidArgument(
+                f"the draft model's vocabulary has {draft_vocab} tokens but the target's has {self.vocab_size}; "
+                "a draft must use the target's tokenizer"
+            )
+        if draft.dtype_name != self.executor.dtype_name:
+            raise InvalidArgument(f"the draft runs in {draft.dtype_name} but the target in {self.executor.dtype_name}")
+        if draft.cache.slots < self.cache.slots:
+            raise InvalidArgument(
+                f"the draft's cache has {draft.cache.slots} slots; the target's has {self.cache.slots}"
+            )
+        draft_context = int(draft.args.max_position_embeddings)
+        if config.max_session_tokens > draft_context:
+            raise InvalidArgument(
+                f"max_session_tokens ({config.max_session_tokens}) exceeds the draft model's context length "
+                f"({draft_context})"
+            )
+        # Verification writes 1 + k target rows and keeps as few as 1; the draft writes k and keeps 1.
+        for who, cache, rows in (("target", self.cache, config.n_draft), ("draft", draft.cache, config.n_draft - 1)):
+            if _rollback_rows(cache) < rows:
+                raise InvalidArgument(
+                    f"the {who}'s KV cache cannot roll back {rows} rows; build its executor with "
+                    f"rollback_rows >= {config.n_draft} (sliding-window rings need that many spare rows)"
+                )
 
     # ----------------------------------------------------------------- description
 
@@ -175,6 +274,7 @@ class Engine:
             "has_chat_template": bool(getattr(tok, "has_chat_template", False)),
             "bos_token_id": getattr(tok, "bos_token_id", None),
             "eos_token_ids": list(self.eos_token_ids),
+            "draft": None if self.draft is None else {"name": self.draft_name, "n_draft": self.n_draft},
         }
 
     # ----------------------------------------------------------------- sessions
@@ -224,6 +324,7 @@ class Engine:
             self._finish(s.request, "cancelled")
         s.tokens = []
         s.kv_len = 0
+        s.draft_len = 0
         s.unsaveable = "empty"
 
     def session_ids(self) -> list[str]:
@@ -232,6 +333,11 @@ class Engine:
     def session_tokens(self, sid: str) -> list[int]:
         """The committed token history of a session (a copy)."""
         return list(self._session(sid).tokens)
+
+    def pending_draft_tokens(self, sid: str) -> list[int]:
+        """Committed tokens whose KV the target has and the draft has not been fed yet (a copy)."""
+        s = self._session(sid)
+        return s.tokens[s.draft_len : s.kv_len]
 
     # ----------------------------------------------------------------- requests
 
@@ -264,11 +370,7 @@ class Engine:
 
     def _reusable_prefix(self, s: _Session, prompt: list[int]) -> int:
         """Rows of the session's cache the prompt can keep (at most len(prompt) - 1)."""
-        limit = min(s.kv_len, len(prompt) - 1)
-        common = 0
-        hist = s.tokens
-        while common < limit and hist[common] == prompt[common]:
-            common += 1
+        common = _common_prefix(s.tokens, prompt, min(s.kv_len, len(prompt) - 1))
         if common and not self.cache.can_truncate(s.kv_len, common):
             return 0
         return common
@@ -324,6 +426,13 @@ class Engine:
             t_submit=time.perf_counter(),
             fresh=fresh,
         )
+        if self.draft is not None:
+            # The draft keeps what its own rows share with the prompt, never more than the target;
+            # the rest (a prefix-cache hit included) is pending and fed with the first prefill chunk.
+            keep = _common_prefix(s.tokens, ids, min(s.draft_len, reused))
+            if keep and not self.draft.cache.can_truncate(s.draft_len, keep):
+                keep = 0
+            s.draft_len = keep
         # Commit the prompt: the session now continues from ``reused`` rows.
         s.tokens = list(ids)
         s.kv_len = reused
@@ -354,7 +463,7 @@ class Engine:
         s = req.session
         now = time.perf_counter()
         if reason == "error":
-            s.tokens, s.kv_len = [], 0
+            s.tokens, s.kv_len, s.draft_len = [], 0, 0
             s.unsaveable = "the last generation failed"
         else:
             # Drop prompt tokens that never got KV (cancelled during prefill).
@@ -381,6 +490,8 @@ class Engine:
             "generated_token_ids": list(req.generated),
             "prefill_time_s": t_first - req.t_submit,
             "decode_time_s": now - t_first,
+            "draft_proposed_tokens": req.draft_proposed,
+            "draft_accepted_tokens": req.draft_accepted,
         }
         self._outputs.append(EngineOutput(req.rid, tail, [], result, error))
 
@@ -460,28 +571,120 @@ class Engine:
         return decoding, chunks
 
     def step(self) -> list[EngineOutput]:
-        """Run one batched forward pass (if there is work) and return the outputs it produced."""
+        """Run one batched forward pass (if there is work) and return the outputs it produced.
+
+        With a draft model the target's one forward is preceded by the draft's forwards (one per
+        drafted position), which propose the tokens the target verifies.
+        """
         self._process_cancels()
         decoding, chunks = self._schedule()
+        proposals: dict[int, _Proposal] = {}
+        if self.draft is not None and (decoding or chunks):
+            proposals = self._propose(decoding, chunks)
+            decoding = [r for r in decoding if not r.finished]
+            chunks = [(r, n) for r, n in chunks if not r.finished]
         if decoding or chunks:
-            self._forward(decoding, chunks)
+            self._forward(decoding, chunks, proposals)
         out, self._outputs = self._outputs, []
         return out
 
-    def _forward(self, decoding: list[_Request], chunks: list[tuple[_Request, int]]) -> None:
+    def _draft_budget(self, req: _Request) -> int:
+        """Tokens to draft for ``req`` this step: at most n_draft, and never past max_new_tokens
+        (the target's token after the drafts must still fit), so drafted positions stay inside the
+        session's max_session_tokens."""
+        return max(0, min(self.n_draft, req.max_new - len(req.generated) - 1))
+
+    def _draft_forward(
+        self, reqs: list[_Request], tokens: list[int], positions: list[int], spans: list[SeqSpan], rows: list[int]
+    ) -> torch.Tensor | None:
+        """One draft forward; on failure end ``reqs`` with an error and return None."""
+        assert self.draft is not None
+        t0 = time.perf_counter()
+        try:
+            return self.draft.forward(tokens, positions, spans, rows)
+        except Exception as exc:  # a failed forward ends the requests in this batch only
+            for r in reqs:
+                self._finish(r, "error", InternalError(f"draft forward pass failed: {type(exc).__name__}: {exc}"))
+            return None
+        finally:
+            self.stats["draft_forward_calls"] += 1
+            self.stats["draft_forward_time_s"] += time.perf_counter() - t0
+
+    def _propose(self, decoding: list[_Request], chunks: list[tuple[_Request, int]]) -> dict[int, _Proposal]:
+        """Run the draft: feed pending tokens and prefill chunks, and draft tokens for decoding requests.
+
+        The first draft forward carries, per session, the pending tokens plus either the chunk the
+        target prefills this step or the last committed token (whose logits give the first draft
+        token); each later forward carries one drafted token per session still drafting.
+        """
+        budget = {r.rid: self._draft_budget(r) for r in decoding}
+        drafting = [r for r in decoding if budget[r.rid] > 0]
+        if not drafting and not chunks:
+            return {}
+        tokens: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        rows: list[int] = []
+        for r in drafting:
+            s = r.session
+            end = len(s.tokens)  # through the last committed token, which the target has no KV of yet
+            spans.append(SeqSpan(s.slot, s.draft_len, end - s.draft_len, len(tokens)))
+            tokens.extend(s.tokens[s.draft_len : end])
+            positions.extend(range(s.draft_len, end))
+            rows.append(len(tokens) - 1)
+        for r, n in chunks:
+            s = r.session
+            end = s.kv_len + n  # the target's rows after this step's chunk
+            spans.append(SeqSpan(s.slot, s.draft_len, end - s.draft_len, len(tokens)))
+            tokens.extend(s.tokens[s.draft_len : end])
+            positions.extend(range(s.draft_len, end))
+        logits = self._draft_forward(drafting + [r for r, _ in chunks], tokens, positions, spans, rows)
+        if logits is None:
+            return {}
+        # The chunk sessions' draft rows now reach kv_len + n; _forward sets draft_len with kv_len.
+        proposals: dict[int, _Proposal] = {r.rid: _Proposal([], []) for r in drafting}
+        active = drafting
+        for j in range(self.n_draft):
+            for r, row in zip(active, logits):
+                token, q = sample_draft(row, r.params, r.generator)
+                proposals[r.rid].tokens.append(token)
+                if q is not None:
+                    proposals[r.rid].probs.append(q)
+            active = [r for r in active if budget[r.rid] > j + 1]
+            if not active:
+                break
+            # Feed each session's newest draft token to get the distribution for the next one.
+            tokens, positions, spans = [], [], []
+            for r in active:
+                s = r.session
+                pos = len(s.tokens) + j
+                spans.append(SeqSpan(s.slot, pos, 1, len(tokens)))
+                tokens.append(proposals[r.rid].tokens[-1])
+                positions.append(pos)
+            logits = self._draft_forward(active, tokens, positions, spans, list(range(len(active))))
+            if logits is None:  # those requests ended; the others keep what they drafted
+                return {rid: p for rid, p in proposals.items() if rid in self._requests}
+        return proposals
+
+    def _forward(
+        self, decoding: list[_Request], chunks: list[tuple[_Request, int]], proposals: dict[int, _Proposal]
+    ) -> None:
         tokens: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_reqs: list[_Request] = []
         for r in decoding:
+            # The last committed token, then the draft's tokens: logits for every row.
             s = r.session
             pos = s.kv_len
-            spans.append(SeqSpan(s.slot, pos, 1, len(tokens)))
-            sample_rows.append(len(tokens))
+            drafted = proposals[r.rid].tokens if r.rid in proposals else []
+            span = [s.tokens[pos]] + drafted
+            spans.append(SeqSpan(s.slot, pos, len(span), len(tokens)))
+            sample_rows.extend(range(len(tokens), len(tokens) + len(span)))
             sample_reqs.append(r)
-            tokens.append(s.tokens[pos])
-            positions.append(pos)
+            tokens.extend(span)
+            positions.extend(range(pos, pos + len(span)))
         for r, n in chunks:
             s = r.session
             pos = s.kv_len
@@ -504,29 +707,61 @@ class Engine:
         finally:
             self.stats["forward_calls"] += 1
             self.stats["forward_time_s"] += time.perf_counter() - t0
-        for r in decoding:
-            r.session.kv_len += 1
         for r, n in chunks:
             r.session.kv_len += n
+            if self.draft is not None:
+                r.session.draft_len = r.session.kv_len  # _propose fed the draft the same chunk
             if r.fresh and r.session.kv_len == len(r.prompt):
                 self.prefix_cache.insert(r.session.slot, r.prompt)
-        for i, r in enumerate(sample_reqs):
-            if r.finished:
-                continue
-            self._accept_token(r, sample(logits[i], r.params, r.generator))
+        row = 0
+        for r in sample_reqs:
+            if r.phase is _Phase.DECODE:
+                proposal = proposals.get(r.rid)
+                k = len(proposal.tokens) if proposal is not None else 0
+                self._commit_decoded(r, logits[row : row + k + 1], proposal)
+                row += k + 1
+            else:
+                if not r.finished:
+                    self._accept_token(r, sample(logits[row], r.params, r.generator))
+                row += 1
 
+    def _commit_decoded(self, r: _Request, logits: torch.Tensor, proposal: _Proposal | None) -> None:
+        """Commit what the target's logits [1 + k, V] over (last token, k drafted tokens) decide."""
+        if r.finished:
+            return
+        s = r.session
+        if proposal is None or not proposal.tokens:
+            s.kv_len += 1
+            self._accept_token(r, sample(logits[0], r.params, r.generator))
+            return
+        n = len(s.tokens)  # the target just wrote rows [n - 1, n + k), the draft [.., n + k - 1)
+        k = len(proposal.tokens)
+        probs = torch.stack(proposal.probs) if proposal.probs else None
+        commit, accepted = verify_drafts(logits, proposal.tokens, probs, r.params, r.generator)
+        r.draft_proposed += k
+        committed_drafts = 0
+        for i, token in enumerate(commit):
+            if r.finished:  # a stop token or stop string among the drafts ends the turn there
+                break
+            if i < accepted:
+                committed_drafts += 1
+                r.draft_accepted += 1
+            self._accept_token(r, token)
+        # Roll back both caches past the rejected rows by setting lengths. As after any sampled
+        # token, the last committed token has no KV yet. The draft's rows hold tokens[:n] and drafts
+        # 1..k-1; those it shares with the committed history stay.
+        s.kv_len = len(s.tokens) - 1
+        s.draft_len = min(n + min(committed_drafts, k - 1), s.kv_len)
     # ----------------------------------------------------------------- checkpoints
 
     def executor_format(self) -> dict[str, Any]:
         return {"backend": self.executor.backend, "dtype": self.executor.dtype_name, "layout_version": LAYOUT_VERSION}
 
     def geometry(self) -> dict[str, Any]:
-        return {
-            "num_layers": int(self.args.num_hidden_layers),
-            "num_kv_heads": self.args.num_kv_heads,
-            "head_dim": int(self.args.head_dim),  # type: ignore[arg-type]
-            "windows": list(self.cache.windows),
-        }
+        return _geometry(self.executor)
+
+    def draft_geometry(self) -> dict[str, Any] | None:
+        return None if self.draft is None else _geometry(self.draft)
 
     def export_checkpoint(self, sid: str, position: int | None = None) -> CPUCheckpoint:
         """An independent host copy of a session's committed state at ``position``.
@@ -556,7 +791,28 @@ class Engine:
             position=position,
             token_ids=np.asarray(s.tokens[:position], dtype=np.int32),
             layers=layers,
+            draft=None if self.draft is None else self._export_draft(s, position),
         )
+
+    def _export_draft(self, s: _Session, position: int) -> dict[str, Any]:
+        """The draft's state at ``position``: its rows up to where it is (at most ``position``) and the
+        committed tokens after that which it has not been fed (``pending_token_ids``)."""
+        assert self.draft is not None
+        at = min(s.draft_len, position)
+        if at and not self.draft.cache.can_truncate(s.draft_len, at):
+            at = 0  # its rings no longer hold what ``at`` needs: the draft restarts from the beginning
+        if at:
+            layers = self.draft.export_layers(s.slot, s.draft_len, at)
+        else:
+            geo = self.draft_geometry()
+            assert geo is not None
+            empty = np.zeros((0, geo["num_kv_heads"], geo["head_dim"]), numpy_storage_dtype(self.draft.dtype_name))
+            layers = [LayerState(0, empty, empty.copy()) for _ in range(geo["num_layers"])]
+        return {
+            "geometry": self.draft_geometry(),
+            "layers": layers,
+            "pending_token_ids": np.asarray(s.tokens[at:position], dtype=np.int32),
+        }
 
     def restore_checkpoint(self, sid: str, checkpoint: CPUCheckpoint, position: int | None = None) -> None:
         """Publish a new session ``sid`` continuing from ``position`` of ``checkpoint``.
@@ -581,8 +837,7 @@ class Engine:
             raise CheckpointRejected(
                 f"checkpoint geometry {checkpoint.geometry} does not match the model's {self.geometry()}"
             )
-        if checkpoint.draft is not None:
-            raise CheckpointRejected("the checkpoint carries draft-model state but this worker runs no draft model")
+        draft_position = self._check_draft_state(checkpoint)
         checkpoint.validate_restore_position(position)
         if position >= self.config.max_session_tokens:
             raise ContextOverflow(
@@ -595,8 +850,46 @@ class Engine:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
         slot = self._free_slots[-1]
         self.executor.import_layers(slot, position, checkpoint.layers)
+        draft_len = min(position, draft_position)
+        if self.draft is not None and draft_len:
+            assert checkpoint.draft is not None
+            self.draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
         self._free_slots.pop()
-        self._sessions[sid] = _Session(sid, slot, ids.tolist(), position, None, None)
+        self._sessions[sid] = _Session(sid, slot, ids.tolist(), position, None, None, draft_len)
+
+    def _check_draft_state(self, checkpoint: CPUCheckpoint) -> int:
+        """Check the checkpoint's draft state against this engine; return the draft's position (0 without one)."""
+        if self.draft is None:
+            if checkpoint.draft is not None:
+                raise CheckpointRejected(
+                    "the checkpoint carries draft-model state but this worker runs no draft model; "
+                    "restore it into a worker started with the same --draft"
+                )
+            return 0
+        if checkpoint.draft is None:
+            raise CheckpointRejected(
+                "this worker runs a draft model but the checkpoint has no draft state (it was made without one); "
+                "restore it into a worker without --draft"
+            )
+        d = checkpoint.draft
+        if d["geometry"] != self.draft_geometry():
+            raise CheckpointRejected(
+                f"checkpoint draft geometry {d['geometry']} does not match the draft model's {self.draft_geometry()}"
+            )
+        extra = sorted(set(d) - {"geometry", "layers", "pending_token_ids"})
+        if extra:
+            raise CheckpointRejected(f"checkpoint draft state has fields this worker does not know: {extra}")
+        pending = d.get("pending_token_ids")
+        if pending is None or pending.dtype != np.int32 or pending.ndim != 1:
+            raise CheckpointRejected("checkpoint draft state lacks pending_token_ids (int32 [n])")
+        at = checkpoint.draft_position
+        assert at is not None
+        if at + pending.shape[0] != checkpoint.position or not np.array_equal(pending, checkpoint.token_ids[at:]):
+            raise CheckpointRejected(
+                f"checkpoint pending_token_ids ({pending.shape[0]} tokens) are not the committed tokens "
+                f"[{at}, {checkpoint.position}) after the draft's rows"
+            )
+        return at
 
     # ----------------------------------------------------------------- shutdown
 

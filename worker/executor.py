@@ -44,7 +44,9 @@ class Executor(Protocol):
 class TorchExecutor:
     backend = "torch"
 
-    def __init__(self, model: Transformer, slots: int, max_session_tokens: int) -> None:
+    def __init__(self, model: Transformer, slots: int, max_session_tokens: int, rollback_rows: int = 0) -> None:
+        """``rollback_rows``: rows a slot may write past its length and drop again (speculative
+        decoding verifies drafted tokens that way); sliding-window rings get that many spare rows."""
         self.model = model
         self.args = model.args
         param = model.lm_head.weight
@@ -59,6 +61,7 @@ class TorchExecutor:
             int(self.args.head_dim),  # type: ignore[arg-type]
             self.dtype,
             self.device,
+            rollback_rows=rollback_rows,
         )
 
     @property

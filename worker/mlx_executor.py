@@ -1,0 +1,152 @@
+"""``MLXExecutor``: the MLX model and its KV cache behind the executor interface of executor.py.
+
+The engine schedules against it exactly as against ``TorchExecutor``: ``forward`` takes a packed
+batch as plain lists and returns float32 CPU torch logits (through numpy), and checkpoint rows move
+as numpy ``LayerState`` in the logical layout ``[n, KV, D]`` (bfloat16 as its uint16 bits). So a
+checkpoint exported by either backend restores on the other.
+
+Every MLX call runs on the executor's device stream (``mx.stream``), never by changing MLX's global
+default device. ``forward`` evaluates the logits and every cache array it wrote before returning, so
+no work stays lazily deferred across engine steps.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
+
+from .config import ModelArgs
+from .loader import ModelFiles
+from .mlx_cache import KVCache
+from .mlx_model import SeqSpan, Transformer, build_model, load_state_dict
+
+__all__ = ["DEVICES", "DTYPES", "MLXExecutor", "load_model"]
+
+DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# --device names this backend accepts: "cpu", or the MLX GPU (Metal on macOS, CUDA where mlx[cuda]
+# is installed) under the names the worker's --device and MLX use for it.
+DEVICES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "metal": "gpu"}
+
+
+def resolve_device(device: str) -> mx.Device:
+    """The MLX device for a --device name; raise ValueError when unknown or absent."""
+    kind = DEVICES.get(str(device))
+    if kind is None:
+        raise ValueError(f"--backend mlx runs on device cpu or gpu (cuda, metal), got {device!r}")
+    dev = mx.cpu if kind == "cpu" else mx.gpu
+    if not mx.is_available(dev):
+        raise ValueError(f"--device {device} was asked for but MLX has no GPU here (install mlx with Metal or CUDA)")
+    return dev
+
+
+def load_model(files: ModelFiles, args: ModelArgs, *, device: str, dtype: str) -> Transformer:
+    """Load a model directory's weights into the MLX model, cast to ``dtype``."""
+    try:
+        dt = DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}") from None
+    with mx.stream(resolve_device(device)):
+        return build_model(args, load_state_dict(files.weight_files), dtype=dt)
+
+
+class MLXExecutor:
+    backend = "mlx"
+
+    def __init__(
+        self,
+        model: Transformer,
+        slots: int,
+        max_session_tokens: int,
+        rollback_rows: int = 0,
+        *,
+        device: str | mx.Device = "cpu",
+    ) -> None:
+        """``rollback_rows``: rows a slot may write past its length and drop again (speculative
+        decoding verifies drafted tokens that way); sliding-window rings get that many spare rows."""
+        self.model = model
+        self.args: ModelArgs = model.args
+        self.device = device if isinstance(device, mx.Device) else resolve_device(device)
+        self.dtype = model.dtype
+        with mx.stream(self.device):
+            model.setup_rope(max_session_tokens)
+            self.cache = KVCache(
+                self.args.windows,
+                slots,
+                max_session_tokens,
+                self.args.num_kv_heads,
+                int(self.args.head_dim),  # type: ignore[arg-type]
+                self.dtype,
+                rollback_rows=rollback_rows,
+            )
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPE_NAMES[self.dtype]
+
+    @property
+    def device_name(self) -> str:
+        return "cpu" if self.device == mx.cpu else "gpu"
+
+    def forward(
+        self, tokens: Sequence[int], positions: Sequence[int], spans: Sequence[SeqSpan], logits_rows: Sequence[int]
+    ) -> torch.Tensor:
+        """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
+        # MLX gathers do not check bounds: out-of-range ids or positions would read garbage.
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.args.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.args.vocab_size})")
+        if positions and not 0 <= min(positions) <= max(positions) < self.model.rope_positions:
+            raise ValueError(f"positions must lie in [0, {self.model.rope_positions})")
+        if logits_rows and not 0 <= min(logits_rows) <= max(logits_rows) < len(tokens):
+            raise ValueError(f"logits rows must lie in [0, {len(tokens)})")
+        with mx.stream(self.device):
+            logits = self.model(
+                mx.array(tokens, dtype=mx.int32),
+                mx.array(positions, dtype=mx.int32),
+                spans,
+                self.cache,
+                mx.array(logits_rows, dtype=mx.int32),
+            )
+            mx.eval(logits, self.cache.slot_arrays({s.slot for s in spans}))
+        return torch.from_numpy(np.array(logits, copy=True))
+
+    def export_layers(self, slot: int, length: int, position: int) -> list[LayerState]:
+        storage = numpy_storage_dtype(self.dtype_name)
+        out = []
+        with mx.stream(self.device):
+            for layer in self.cache.layers:
+                start, k, v = layer.export_rows(slot, length, position)
+                out.append(LayerState(start, _to_numpy(k, storage), _to_numpy(v, storage)))
+        return out
+
+    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> None:
+        storage = numpy_storage_dtype(self.dtype_name)
+        if len(layers) != len(self.cache.layers):
+            raise ValueError(f"{len(layers)} layer states for a cache of {len(self.cache.layers)} layers")
+        with mx.stream(self.device):
+            for layer, state in zip(self.cache.layers, layers):
+                if state.keys.dtype != storage or state.values.dtype != storage:
+                    raise ValueError(
+                        f"layer rows are {state.keys.dtype}; a {self.dtype_name} cache needs {storage}"
+                    )
+                lo = max(state.start, layer.needed(position))
+                a, b = lo - state.start, position - state.start
+                layer.import_rows(slot, lo, _from_numpy(state.keys[a:b], self.dtype), _from_numpy(state.values[a:b], self.dtype))
+            mx.eval(self.cache.slot_arrays([slot]))
+
+
+def _to_numpy(a: mx.array, storage: np.dtype) -> np.ndarray:
+    """An independent C-contiguous host copy; bfloat16 as its raw uint16 bits."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a, copy=True, order="C").view(storage)
+
+
+def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """An MLX copy of host rows (read-only payload buffers are fine)."""
+    arr = mx.array(np.ascontiguousarray(a))
+    return arr.view(mx.bfloat16) if dtype == mx.bfloat16 else arr
