@@ -1,0 +1,102 @@
+"""The trio client: spawn a worker, multiplex sessions and streams over its pipes, save and resume
+sessions.
+
+::
+
+    async with spawn_multiplexed_worker(default_worker_command(model_dir)) as client:
+        await client.open_session("chat")
+        stream = client.generate("Hello", GenerationParams(session_id="chat", max_new_tokens=32))
+        async for text in stream:
+            print(text, end="")
+        result = await stream.wait()
+"""
+from __future__ import annotations
+
+from .checkpoint import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointNotFound,
+    CheckpointRetentionError,
+    CheckpointTooLarge,
+    CheckpointUnsafePath,
+    CPUCheckpoint,
+    checkpoint_identity,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .client import (
+    GenerationStream,
+    MultiplexedWorkerClient,
+    default_worker_command,
+    spawn_multiplexed_worker,
+)
+from .errors import (
+    CapacityExhausted,
+    CheckpointRejected,
+    ClientClosedError,
+    OperationCancelled,
+    ContextOverflow,
+    InternalError,
+    InvalidArgument,
+    MuxError,
+    NotReady,
+    ProtocolError,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+    SlowConsumer,
+    Unsaveable,
+    WorkerDiedError,
+    WorkerStartupError,
+)
+from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
+from .runtime import RuntimeStream, SessionRuntime
+from .store import SessionStore, StorePermissionError
+
+__all__ = [
+    # client
+    "spawn_multiplexed_worker",
+    "default_worker_command",
+    "MultiplexedWorkerClient",
+    "SessionRuntime",
+    "RuntimeStream",
+    "GenerationStream",
+    "GenerationParams",
+    "GenerationResult",
+    "ChatPrompt",
+    "WorkerInfo",
+    "ModelInfo",
+    # errors
+    "MuxError",
+    "InvalidArgument",
+    "NotReady",
+    "SessionNotFound",
+    "SessionExists",
+    "SessionBusy",
+    "CapacityExhausted",
+    "ContextOverflow",
+    "SlowConsumer",
+    "InternalError",
+    "ProtocolError",
+    "Unsaveable",
+    "CheckpointRejected",
+    "WorkerDiedError",
+    "WorkerStartupError",
+    "ClientClosedError",
+    "OperationCancelled",
+    # checkpoints and storage
+    "CPUCheckpoint",
+    "SessionStore",
+    "StorePermissionError",
+    "checkpoint_identity",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "CheckpointCorrupt",
+    "CheckpointIncompatible",
+    "CheckpointRetentionError",
+    "CheckpointTooLarge",
+    "CheckpointUnsafePath",
+]

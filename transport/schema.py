@@ -351,7 +351,7 @@ MESSAGES: dict[str, MessageSpec] = {
         "Append the prompt segments to the session and generate. Replies: token*, then done (or error).",
         {"session_id": SESSION_ID, "prompt": ListOf(SEGMENT)},
         {
-            "max_new_tokens": Int(0, _I64_MAX),
+            "max_new_tokens": Int(-1, _I64_MAX),  # -1: the rest of the session's context
             "temperature": Number(),
             "top_p": Number(),
             "top_k": Int(0, _I64_MAX),
@@ -368,7 +368,7 @@ MESSAGES: dict[str, MessageSpec] = {
     "tokenize": _client("Tokenize text. Reply: tokens.", {"text": Str()}, {"add_special_tokens": Bool()}),
     "detokenize": _client("Decode token ids. Reply: text.", {"tokens": TOKENS}),
     "chat_template": _client(
-        "Render chat messages with the model's template. Reply: text.",
+        "Render chat messages with the model's template. Reply: tokens (with the rendered `text`).",
         {"messages": ListOf(CHAT_MESSAGE)},
         {"add_generation_prompt": Bool()},
     ),
@@ -378,7 +378,7 @@ MESSAGES: dict[str, MessageSpec] = {
         {"position": Nullable(POSITION)},
     ),
     "restore": _client(
-        "Load a checkpoint into an open session, keeping `position` tokens. Reply: ok.",
+        "Restore a checkpoint into an unused session id, keeping `position` tokens. Reply: ok.",
         {"session_id": SESSION_ID, "position": POSITION, "checkpoint": AnyMap()},
     ),
     "info": _client("Ask for model and engine information. Reply: ok with `value`.", {}),

@@ -1,0 +1,543 @@
+"""The trio client against a real worker subprocess over real pipes, on a tiny random model.
+
+Timeouts here (trio.fail_after) are hang guards, not timing assertions: the machine is shared.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from muxworker import client as api
+from muxworker.client import (
+    ClientClosedError,
+    ContextOverflow,
+    GenerationParams,
+    GenerationResult,
+    InvalidArgument,
+    MuxError,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+    SlowConsumer,
+    WorkerDiedError,
+    WorkerStartupError,
+    default_worker_command,
+    spawn_multiplexed_worker,
+)
+from muxworker.transport.errors import ERROR_CLASSES
+
+HANG_GUARD_S = 60.0
+
+
+def greedy(session_id: str, n: int = 16, **kw) -> GenerationParams:
+    # No stop tokens, so every stream runs to its length and its text is all of its tokens.
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("stop_token_ids", [])
+    return GenerationParams(session_id=session_id, max_new_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def worker_command(model_dir):
+    return default_worker_command(model_dir, max_sessions=20, max_session_tokens=512)
+
+
+@pytest.fixture
+async def client(worker_command):
+    async with spawn_multiplexed_worker(worker_command) as c:
+        yield c
+
+
+def _child_pids() -> set[int]:
+    """Live (or zombie) children of this process, from /proc."""
+    me = os.getpid()
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            pids.add(int(entry))
+    return pids
+
+
+# ----------------------------------------------------------------------------------------------
+# spawning and closing
+
+
+async def test_spawn_with_a_nursery_and_close_is_idempotent(worker_command):
+    async with trio.open_nursery() as nursery:
+        client = await spawn_multiplexed_worker(worker_command, nursery=nursery)
+        info = client.info
+        assert info.protocol[0] == 1
+        assert info.model.architecture == "LlamaForCausalLM" and info.model.vocab_size == 384
+        assert info.model.has_chat_template and info.backend == "torch" and info.dtype == "float32"
+        assert info.limits["max_sessions"] == 20
+        pid = client.pid
+        await client.close()
+        await client.close()
+        assert client.returncode == 0
+        assert pid not in _child_pids()
+        with pytest.raises(ClientClosedError):
+            await client.open_session("late")
+        with pytest.raises(ClientClosedError):
+            client.generate("late", greedy("late"))
+
+
+async def test_await_without_a_nursery_is_a_type_error(worker_command):
+    with pytest.raises(TypeError, match="nursery="):
+        await spawn_multiplexed_worker(worker_command)
+
+
+async def test_close_settles_running_streams(worker_command):
+    async with spawn_multiplexed_worker(worker_command) as client:
+        await client.open_session("a")
+        stream = client.generate([5, 6, 7], greedy("a", 400))
+        await stream.__anext__()
+        queued = client.generate([5, 6, 7], greedy("b", 4))  # written before the control pipe closes
+        await client.close()
+        with trio.fail_after(HANG_GUARD_S):
+            assert (await stream.wait()).finish_reason == "cancelled"
+            with pytest.raises(SessionNotFound):  # it reached the worker, which answered before exiting
+                await queued.wait()
+    assert client.returncode == 0
+
+
+async def test_caller_cancelled_during_start_reaps_the_child(worker_command):
+    before = _child_pids()
+    with trio.move_on_after(0.3) as scope:
+        async with spawn_multiplexed_worker(worker_command):
+            pytest.fail("the worker cannot start in 0.3s")  # pragma: no cover
+    assert scope.cancelled_caught
+    assert _child_pids() <= before
+
+
+async def test_cancelling_the_nursery_reaps_the_child(worker_command):
+    async with trio.open_nursery() as nursery:
+        client = await spawn_multiplexed_worker(worker_command, nursery=nursery)
+        await client.open_session("a")
+        stream = client.generate([5, 6], greedy("a", 400))
+        await stream.__anext__()
+        nursery.cancel_scope.cancel()
+    assert client.returncode is not None
+    assert client.pid not in _child_pids()
+    with pytest.raises(ClientClosedError):  # stopped from this side: not a death
+        await client.open_session("b")
+    with pytest.raises(ClientClosedError):
+        await stream.wait()
+
+
+async def test_bad_model_path_fails_spawn_with_the_workers_message(tmp_path):
+    with trio.fail_after(HANG_GUARD_S):
+        with pytest.raises(WorkerStartupError) as info:
+            async with spawn_multiplexed_worker(default_worker_command(tmp_path / "missing")):
+                pytest.fail("spawned")  # pragma: no cover
+    error = info.value
+    assert isinstance(error, WorkerDiedError)
+    assert "does not exist" in error.reason
+    assert error.returncode == 1
+    assert any("does not exist" in line for line in error.stderr_tail)
+
+
+async def test_invalid_flag_fails_spawn_with_the_workers_message(model_dir):
+    with trio.fail_after(HANG_GUARD_S):
+        with pytest.raises(WorkerStartupError, match="--max_sessions") as info:
+            async with spawn_multiplexed_worker(default_worker_command(model_dir, max_sessions=0)):
+                pytest.fail("spawned")  # pragma: no cover
+    assert info.value.returncode == 2
+
+
+async def test_worker_that_prints_to_stdout_keeps_the_protocol_intact(model_dir, caplog):
+    # A wrapper that prints before the worker starts and from inside every tokenize call.
+    wrapper = (
+        "import runpy, sys\n"
+        "print('stdout noise before main ' * 200, flush=True)\n"
+        "import muxworker.worker.tokenizer as t\n"
+        "encode = t.Tokenizer.encode\n"
+        "def noisy(self, *a, **k):\n"
+        "    print('stdout noise from encode')\n"
+        "    return encode(self, *a, **k)\n"
+        "t.Tokenizer.encode = noisy\n"
+        "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+    )
+    command = [sys.executable, "-c", wrapper, "--model", str(model_dir), "--max_session_tokens", "256"]
+    caplog.set_level(logging.INFO, logger="muxworker.worker")
+    async with spawn_multiplexed_worker(command) as client:
+        await client.open_session("a")
+        ids = await client.tokenize("Hello world")
+        stream = client.generate("Hello world", greedy("a", 8))
+        text = "".join([t async for t in stream])
+        result = await stream.wait()
+        assert result.prompt_tokens == len(ids)
+        assert text == await client.detokenize(result.generated_token_ids)
+        with trio.fail_after(HANG_GUARD_S):
+            while not any("noise from encode" in line for line in client.stderr_tail):
+                await trio.sleep(0.01)
+    assert client.returncode == 0
+    logged = [r.getMessage() for r in caplog.records if r.name == "muxworker.worker"]
+    assert any("stdout noise before main" in m for m in logged)
+    assert any("noise from encode" in m for m in logged)
+
+
+# ----------------------------------------------------------------------------------------------
+# multiplexing
+
+
+async def test_interleaved_sessions_complete_out_of_order_and_match_a_solo_engine(client, model_dir):
+    n = 16
+    prompts = [[3 + (7 * i + j) % 300 for j in range(5 + i)] for i in range(n)]
+    lengths = [40 - 2 * i for i in range(n)]  # the last started finishes first
+    finished: list[int] = []
+    texts: dict[int, str] = {}
+    results: dict[int, GenerationResult] = {}
+
+    async def one(i: int) -> None:
+        sid = f"s{i}"
+        await client.open_session(sid)
+        stream = client.generate(prompts[i], greedy(sid, lengths[i]))
+        parts = []
+        async for text in stream:
+            parts.append(text)
+            # Interleave unrelated calls on the same pipe while the streams run.
+            if len(parts) == 3:
+                assert await client.detokenize(await client.tokenize("abc")) == "abc"
+        results[i] = await stream.wait()
+        texts[i] = "".join(parts)
+        finished.append(i)
+
+    with trio.fail_after(HANG_GUARD_S * 2):
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+    assert sorted(finished) == list(range(n))
+    assert finished != list(range(n))  # out of order
+    for i in range(n):
+        r = results[i]
+        assert r.finish_reason == "length" and r.completion_tokens == lengths[i] == len(r.generated_token_ids)
+        assert (r.prompt_tokens, r.prefilled_prompt_tokens, r.reused_prompt_tokens) == (len(prompts[i]), len(prompts[i]), 0)
+        assert texts[i] == await client.detokenize(r.generated_token_ids)
+
+    # The same greedy continuations from the engine in-process, one request at a time.
+    from muxworker.worker.build import load_engine
+    from muxworker.worker.config import EngineConfig
+    from muxworker.worker.sampling import SamplingParams
+
+    engine = await trio.to_thread.run_sync(
+        lambda: load_engine(model_dir, EngineConfig(max_sessions=1, max_session_tokens=512), progress=None)
+    )
+    engine.open_session("solo")
+    for i in range(n):
+        engine.reset_session("solo")
+        engine.submit(1, "solo", prompts[i], SamplingParams(max_new_tokens=lengths[i], stop_token_ids=[]))
+        result = None
+        while engine.has_work():
+            for out in engine.step():
+                result = out.result or result
+        assert result["generated_token_ids"] == results[i].generated_token_ids
+
+
+async def test_prompt_forms_and_params_objects(client):
+    await client.open_session("a")
+    ids = await client.tokenize("The quick brown fox")
+    outs = []
+    for prompt in ("The quick brown fox", ids, [ids[:2], ids[2:]], ["The quick brown fox"], tuple(ids)):
+        await client.reset_session("a")
+        outs.append(await client.generate(prompt, greedy("a", 6)).wait())
+    assert all(o.prompt_tokens == len(ids) for o in outs)
+    assert all(o.generated_token_ids == outs[0].generated_token_ids for o in outs)
+    # Any object with the attributes works; missing ones take the worker's defaults.
+    await client.reset_session("a")
+    ns = await client.generate(ids, SimpleNamespace(session_id="a", max_new_tokens=6, stop_token_ids=[])).wait()
+    assert ns.generated_token_ids == outs[0].generated_token_ids
+    await client.reset_session("a")
+    default = await client.generate(ids, SimpleNamespace(session_id="a")).wait()
+    assert default.finish_reason in ("stop", "length") and default.completion_tokens <= 256
+    with pytest.raises(InvalidArgument, match="session_id"):
+        client.generate(ids, SimpleNamespace(max_new_tokens=4))
+    with pytest.raises(InvalidArgument, match="prompt"):
+        client.generate({"text": "x"}, greedy("a"))
+    with pytest.raises(InvalidArgument, match="token ids must lie"):
+        client.generate([1, -2], greedy("a"))
+
+
+async def test_errors_end_their_request_only(client):
+    await client.open_session("a")
+    await client.open_session("b")
+    with pytest.raises(SessionExists):
+        await client.open_session("a")
+    running = client.generate([5, 6], greedy("b", 60))
+    with pytest.raises(SessionNotFound):
+        await client.generate("x", greedy("nope")).wait()
+    with pytest.raises(SessionBusy):
+        await client.generate("x", greedy("b")).wait()
+    with pytest.raises(ContextOverflow):
+        await client.generate("x", greedy("a", 10_000)).wait()
+    with pytest.raises(InvalidArgument, match="temperature"):
+        await client.generate("x", greedy("a", temperature=-1.0)).wait()
+    stream = client.generate("x", greedy("a", top_p=2.0))
+    with pytest.raises(InvalidArgument):
+        async for _ in stream:
+            pass
+    with pytest.raises(InvalidArgument):  # and again: the stream remembers
+        await stream.wait()
+    assert (await running.wait()).completion_tokens == 60
+
+
+def test_one_exception_class_per_wire_code():
+    for code, cls in ERROR_CLASSES.items():
+        assert getattr(api, cls.__name__) is cls and issubclass(cls, MuxError) and cls.code == code
+    assert issubclass(WorkerDiedError, MuxError) and issubclass(ClientClosedError, MuxError)
+
+
+async def test_tokenize_detokenize_and_chat_template(client):
+    ids = await client.tokenize("Hello world")
+    assert await client.detokenize(ids) == "Hello world"
+    chat = await client.apply_chat_template([{"role": "user", "content": "hi"}])
+    text, chat_ids = chat
+    assert text == chat.text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.token_ids == chat_ids == await client.tokenize(text)
+    no_prompt = await client.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert no_prompt.text == "<|im_start|>user\nhi<|im_end|>\n"
+    with pytest.raises(InvalidArgument):
+        await client.apply_chat_template([])
+    info = await client.query_info()
+    assert info["model"]["name"] == client.info.model.name
+
+
+# ----------------------------------------------------------------------------------------------
+# cancellation and fencing
+
+
+async def test_cancel_ends_only_its_target(client):
+    await client.open_session("a")
+    await client.open_session("b")
+    a = client.generate([5, 6, 7], greedy("a", 300))
+    b = client.generate([8, 9], greedy("b", 50))
+    await a.__anext__()
+    a.cancel()
+    a.cancel()  # idempotent
+    ra = await a.wait()
+    assert ra.finish_reason == "cancelled" and ra.completion_tokens < 300
+    assert ra.prompt_tokens == 3  # it reached the worker
+    rb = await b.wait()
+    assert rb.finish_reason == "length" and rb.completion_tokens == 50
+    # The session keeps what was generated before the cancel and takes new work.
+    assert (await client.generate([1, 2], greedy("a", 3)).wait()).completion_tokens == 3
+
+
+async def test_cancel_before_the_request_is_sent_stays_local(client):
+    await client.open_session("a")
+    stream = client.generate([5, 6, 7], greedy("a", 50))
+    stream.cancel()  # no checkpoint since generate(): the request is still queued
+    assert await stream.wait() == GenerationResult.cancelled_locally()
+    assert [t async for t in stream] == []
+    info = await client.query_info()
+    assert info["stats"]["steps"] == 0 and info["inflight_requests"] == 0  # the worker never saw it
+    # A unary call cancelled before it is sent also never reaches the worker.
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await client.open_session("b")
+    await client.open_session("b")  # so "b" was not opened by the cancelled call
+
+
+async def test_aclose_cancels_and_waits_until_settled(client):
+    await client.open_session("a")
+    async with client.generate([5, 6], greedy("a", 300)) as stream:
+        await stream.__anext__()
+    assert stream.finished
+    assert (await stream.wait()).finish_reason == "cancelled"
+    # settled in the worker too: the session takes a new request at once
+    assert (await client.generate([1], greedy("a", 2)).wait()).completion_tokens == 2
+
+
+async def test_close_and_reset_fence_their_own_session_only(client):
+    for sid in ("a", "b", "c"):
+        await client.open_session(sid)
+    a = client.generate([5, 6, 7], greedy("a", 300))
+    b = client.generate([8, 9, 10], greedy("b", 300))
+    c = client.generate([11, 12], greedy("c", 60))
+    for stream in (a, b, c):
+        await stream.__anext__()
+    await client.reset_session("a")
+    assert a.finished  # its done arrived before the reset's ok
+    assert (await a.wait()).finish_reason == "cancelled"
+    await client.close_session("b")
+    assert b.finished
+    assert (await b.wait()).finish_reason == "cancelled"
+    rc = await c.wait()
+    assert rc.finish_reason == "length" and rc.completion_tokens == 60
+    again = await client.generate([5, 6, 7], greedy("a", 4)).wait()
+    assert again.reused_prompt_tokens == 0  # the reset forgot the history
+    with pytest.raises(SessionNotFound):
+        await client.generate([1], greedy("b", 4)).wait()
+
+
+async def test_a_consumer_that_stops_reading_gets_slow_consumer_and_others_keep_streaming(worker_command):
+    async with spawn_multiplexed_worker(worker_command, stream_buffer=4) as client:
+        await client.open_session("stalled")
+        await client.open_session("reader")
+        stalled = client.generate([5, 6], greedy("stalled", 300))
+        reader = client.generate([7, 8], greedy("reader", 100))
+        texts = [t async for t in reader]
+        result = await reader.wait()
+        assert result.completion_tokens == 100
+        assert "".join(texts) == await client.detokenize(result.generated_token_ids)
+        with pytest.raises(SlowConsumer):
+            async for _ in stalled:
+                pass
+        with pytest.raises(SlowConsumer):
+            await stalled.wait()
+        # The worker was told: the stalled session goes idle and takes new work.
+        with trio.fail_after(HANG_GUARD_S):
+            while (await client.query_info())["inflight_requests"]:
+                await trio.sleep(0.01)
+        assert (await client.generate([1], greedy("stalled", 3)).wait()).completion_tokens == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# a dying worker
+
+
+async def test_worker_killed_mid_stream_fails_every_stream_and_call_and_is_reaped(client):
+    for i in range(4):
+        await client.open_session(f"s{i}")
+    streams = [client.generate([5 + i, 6], greedy(f"s{i}", 400)) for i in range(4)]
+    for stream in streams:
+        await stream.__anext__()
+    errors: list[BaseException] = []
+
+    async def consume(stream) -> None:
+        try:
+            async for _ in stream:
+                pass
+            await stream.wait()
+        except WorkerDiedError as exc:
+            errors.append(exc)
+
+    async def call() -> None:
+        try:
+            await client.tokenize("pending while the worker is stopped")
+        except WorkerDiedError as exc:
+            errors.append(exc)
+
+    pid = client.pid
+    os.kill(pid, signal.SIGSTOP)  # frozen: the tokenize below stays pending
+    with trio.fail_after(HANG_GUARD_S):
+        async with trio.open_nursery() as nursery:
+            for stream in streams:
+                nursery.start_soon(consume, stream)
+            nursery.start_soon(call)
+            await trio.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+    assert len(errors) == 5
+    for exc in errors:
+        assert exc.returncode == -signal.SIGKILL
+        assert "killed by SIGKILL" in str(exc)
+    assert client.returncode == -signal.SIGKILL
+    assert pid not in _child_pids()
+    with pytest.raises(WorkerDiedError):
+        await client.open_session("later")
+    with pytest.raises(WorkerDiedError):
+        await client.generate("later", greedy("s0")).wait()
+    with pytest.raises(WorkerDiedError):
+        await streams[0].wait()
+    await client.close()  # still fine, and idempotent
+
+
+async def test_worker_breaking_the_protocol_is_a_death(model_dir):
+    # A worker that writes garbage on its reply pipe when asked to tokenize: the client stops it.
+    wrapper = (
+        "import os, runpy, sys\n"
+        "fd = int(sys.argv[sys.argv.index('--reply-fd') + 1])\n"
+        "import muxworker.worker.tokenizer as t\n"
+        "def garbage(self, *a, **k):\n"
+        "    os.write(fd, b'this is not a frame, not at all')\n"
+        "    return []\n"
+        "t.Tokenizer.encode = garbage\n"
+        "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+    )
+    command = [sys.executable, "-c", wrapper, "--model", str(model_dir), "--max_session_tokens", "256"]
+    async with spawn_multiplexed_worker(command) as client:
+        await client.open_session("a")
+        with trio.fail_after(HANG_GUARD_S):
+            stream = client.generate([5, 6], greedy("a", 250))
+            await stream.__anext__()
+            with pytest.raises(WorkerDiedError, match="protocol error") as info:
+                await client.tokenize("the worker writes garbage instead of the reply")
+            with pytest.raises(WorkerDiedError, match="protocol error"):
+                await stream.wait()
+    assert "bad magic" in str(info.value)
+    assert client.returncode is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# the bundled SmolLM2-135M-Instruct (slow)
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name three colours of the rainbow."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}],
+    [{"role": "user", "content": "Count from one to five."}],
+]
+
+
+@pytest.mark.slow
+async def test_smollm2_concurrent_chat_streams_match_solo_runs():
+    async with spawn_multiplexed_worker(default_worker_command(max_session_tokens=1024), startup_timeout=600) as client:
+        assert client.info.model.vocab_size == 49152 and client.info.model.has_chat_template
+        prompts = [(await client.apply_chat_template(chat)).token_ids for chat in CHATS]
+        results: dict[int, tuple[str, GenerationResult]] = {}
+
+        async def one(i: int, sid: str) -> None:
+            await client.open_session(sid)
+            stream = client.generate(prompts[i], GenerationParams(session_id=sid, max_new_tokens=32))
+            text = "".join([t async for t in stream])
+            results[i] = (text, await stream.wait())
+
+        with trio.fail_after(HANG_GUARD_S * 5):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(CHATS)):
+                    nursery.start_soon(one, i, f"chat{i}")
+        for text, result in results.values():
+            ids = result.generated_token_ids
+            if result.finish_reason == "stop":
+                assert ids[-1] in client.info.model.eos_token_ids  # the stop token is committed, not shown
+                ids = ids[:-1]
+            assert text == await client.detokenize(ids)
+            assert text.strip()
+        assert "Paris" in results[0][0]
+        # Continuous batching does not change a greedy continuation.
+        for i in range(2):
+            await client.open_session(f"solo{i}")
+            solo = await client.generate(prompts[i], GenerationParams(session_id=f"solo{i}", max_new_tokens=32)).wait()
+            assert solo.generated_token_ids == results[i][1].generated_token_ids
+
+
+@pytest.mark.slow
+async def test_smollm2_worker_killed_mid_stream():
+    async with spawn_multiplexed_worker(default_worker_command(max_session_tokens=1024), startup_timeout=600) as client:
+        await client.open_session("a")
+        stream = client.generate("Tell me a long story.", GenerationParams(session_id="a", max_new_tokens=500, stop_token_ids=[]))
+        await stream.__anext__()
+        os.kill(client.pid, signal.SIGKILL)
+        with trio.fail_after(HANG_GUARD_S):
+            with pytest.raises(WorkerDiedError) as info:
+                await stream.wait()
+        assert info.value.returncode == -signal.SIGKILL
+        with pytest.raises(WorkerDiedError):
+            await client.tokenize("x")
+    assert client.returncode == -signal.SIGKILL

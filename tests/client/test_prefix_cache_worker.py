@@ -1,0 +1,26 @@
+"""The prefix cache through a real worker process (--prefix_cache_entries)."""
+from __future__ import annotations
+
+import trio
+
+from muxworker.client import GenerationParams, default_worker_command, spawn_multiplexed_worker
+
+
+async def test_second_session_prefills_only_its_own_part(tiny_llama_dir):
+    system = list(range(5, 305))  # a 300-token shared "system prompt"
+    cmd = default_worker_command(tiny_llama_dir, max_session_tokens=1024, prefix_cache_entries=2)
+    results = {}
+    with trio.fail_after(120):  # hang guard
+        async with spawn_multiplexed_worker(cmd) as client:
+            assert client.info.limits["prefix_cache_entries"] == 2
+            for i, sid in enumerate(("a", "b")):
+                await client.open_session(sid)
+                params = GenerationParams(session_id=sid, max_new_tokens=6, stop_token_ids=[])
+                results[sid] = await client.generate(system + [320 + i, 330 + i], params).wait()
+        async with spawn_multiplexed_worker(default_worker_command(tiny_llama_dir, max_session_tokens=1024)) as client:
+            await client.open_session("b")
+            params = GenerationParams(session_id="b", max_new_tokens=6, stop_token_ids=[])
+            cold = await client.generate(system + [321, 331], params).wait()
+    assert (results["a"].reused_prompt_tokens, results["a"].prefilled_prompt_tokens) == (0, 302)
+    assert (results["b"].reused_prompt_tokens, results["b"].prefilled_prompt_tokens) == (300, 2)
+    assert results["b"].generated_token_ids == cold.generated_token_ids

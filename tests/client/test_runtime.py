@@ -1,0 +1,557 @@
+"""SessionRuntime against a real worker subprocess on a tiny random model.
+
+Order and overlap are proven by the order of events (request ids, which history a generation
+reused, which delta came first), never by durations. trio.fail_after is a hang guard only.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from muxworker.client import (
+    CapacityExhausted,
+    CheckpointNotFound,
+    ClientClosedError,
+    GenerationParams,
+    GenerationResult,
+    InvalidArgument,
+    SessionExists,
+    SessionNotFound,
+    SessionRuntime,
+    SessionStore,
+    Unsaveable,
+    WorkerDiedError,
+    default_worker_command,
+    spawn_multiplexed_worker,
+)
+
+HANG_GUARD_S = 60.0
+CONFIG = {"backend": "torch", "dtype": "float32"}
+PROMPT = list(range(10, 30))  # token ids; the tiny vocabulary has a few hundred
+LONG = 4000  # a generation that runs until it is cancelled (max_session_tokens is 4096)
+
+
+def greedy(n: int) -> SimpleNamespace:
+    # No session_id (the runtime's argument sets it) and no stop tokens: every generation runs
+    # to its length unless cancelled.
+    return SimpleNamespace(max_new_tokens=n, temperature=0.0, stop_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def worker_command(tiny_llama_dir):
+    return default_worker_command(tiny_llama_dir, max_sessions=8, max_session_tokens=4096, max_inflight_requests=8)
+
+
+@pytest.fixture(scope="module")
+def model_files(tiny_llama_dir):
+    return sorted(p for p in Path(tiny_llama_dir).iterdir() if p.is_file())
+
+
+@pytest.fixture
+async def store(tmp_path, model_files):
+    return await SessionStore.create(tmp_path / "s", model_files=model_files, configuration=CONFIG)
+
+
+@pytest.fixture
+async def client(worker_command, store):
+    async with spawn_multiplexed_worker(worker_command, session_store=store) as c:
+        yield c
+
+
+@pytest.fixture
+def runtime(client):
+    return SessionRuntime(client)
+
+
+async def first_delta(stream) -> None:
+    """Wait until ``stream`` has produced output, so its generation runs in the worker."""
+    await stream.__anext__()
+
+
+# ----------------------------------------------------------------------------------------------
+# admission
+
+
+async def test_capacity_is_the_smaller_of_the_worker_limit_and_the_argument(client):
+    assert SessionRuntime(client).capacity == 8
+    assert SessionRuntime(client, max_concurrent_requests=3).capacity == 3
+    assert SessionRuntime(client, max_concurrent_requests=100).capacity == 8
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="max_concurrent_requests"):
+            SessionRuntime(client, max_concurrent_requests=bad)
+
+
+async def test_a_request_beyond_capacity_fails_at_once(client):
+    runtime = SessionRuntime(client, max_concurrent_requests=3)
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        await runtime.open_session("b")
+        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        gb = runtime.generate("b", PROMPT, greedy(LONG))
+        ga2 = runtime.generate("a", PROMPT, greedy(4))  # waits behind ga: still admitted
+        assert runtime.admitted == 3
+
+        with pytest.raises(CapacityExhausted):
+            runtime.generate("c", PROMPT, greedy(4))
+        # Refused at its first step: in a hidden queue it would have met the cancelled scope
+        # instead, and the scope would have swallowed the Cancelled.
+        with pytest.raises(CapacityExhausted):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await runtime.open_session("c")
+        assert runtime.admitted == 3 and not ga.finished and not gb.finished
+
+        ga2.cancel()  # a waiting operation frees its capacity at once
+        assert runtime.admitted == 2
+        await runtime.open_session("c")
+        ga.cancel()
+        gb.cancel()
+        assert (await ga.wait()).finish_reason == "cancelled"
+        assert (await gb.wait()).finish_reason == "cancelled"
+        assert (await ga2.wait()) == GenerationResult.cancelled_locally()
+        assert runtime.admitted == 0 and runtime.leased_sessions == 0
+
+
+async def test_params_naming_another_session_are_refused(runtime):
+    with pytest.raises(InvalidArgument, match="'b'"):
+        runtime.generate("a", PROMPT, GenerationParams(session_id="b", max_new_tokens=4))
+    assert runtime.admitted == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# leases
+
+
+async def test_one_session_runs_its_operations_in_arrival_order(runtime):
+    """Five tasks submit to one session, in a known order, behind a running generation; each
+    effect shows what ran before it."""
+    results: dict[str, object] = {}
+    streams = {}
+
+    async def collect(name: str, stream) -> None:
+        try:
+            results[name] = await stream.wait()
+        except SessionNotFound as exc:
+            results[name] = exc
+
+    async def generation(name: str, n: int) -> None:
+        streams[name] = stream = runtime.generate("s", PROMPT, greedy(n))
+        await collect(name, stream)
+
+    async def call(name: str, method) -> None:
+        try:
+            results[name] = await method("s")
+        except SessionNotFound as exc:
+            results[name] = exc
+
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("s")
+        async with trio.open_nursery() as nursery:
+            # g1 holds the lease until it is cancelled below; its prompt is in the history.
+            streams["g1"] = g1 = runtime.generate("s", PROMPT, greedy(LONG))
+            await first_delta(g1)
+            nursery.start_soon(collect, "g1", g1)
+            # Each submitter starts only once the one before it is blocked, i.e. admitted.
+            for submit in (
+                lambda: generation("g2", 4),
+                lambda: call("reset", runtime.reset_session),
+                lambda: generation("g3", 4),
+                lambda: call("close", runtime.close_session),
+                lambda: generation("g4", 4),
+            ):
+                nursery.start_soon(submit)
+                await trio.testing.wait_all_tasks_blocked()
+            assert runtime.admitted == 6 and runtime.leased_sessions == 1
+            streams["g1"].cancel()
+
+    g1, g2, g3 = results["g1"], results["g2"], results["g3"]
+    # No session_busy: one at a time. And the history each one saw proves the order:
+    assert g1.finish_reason == "cancelled" and g1.reused_prompt_tokens == 0  # first on the fresh session
+    assert g2.reused_prompt_tokens == len(PROMPT) - 1  # after g1, which left PROMPT in the history
+    assert results["reset"] is None
+    assert g3.reused_prompt_tokens == 0  # after the reset
+    assert results["close"] is None
+    assert isinstance(results["g4"], SessionNotFound)  # after the close
+    assert streams["g1"].request_id < streams["g2"].request_id < streams["g3"].request_id
+    assert runtime.admitted == 0 and runtime.leased_sessions == 0
+
+
+async def test_two_sessions_generate_at_the_same_time(runtime):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        await runtime.open_session("b")
+        events: list[str] = []
+        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        await first_delta(ga)
+        gb = runtime.generate("b", PROMPT, greedy(8))
+
+        async def consume(name, stream):
+            async for _ in stream:
+                events.append(name)
+            events.append(f"{name} done")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume, "a", ga)
+            await first_delta(gb)
+            events.append("b first")
+            # A serializing runtime would only have started b once a had run all LONG tokens.
+            assert not ga.finished
+            ga.cancel()
+        assert events.index("b first") < events.index("a done")
+        assert (await ga.wait()).finish_reason == "cancelled"
+        assert (await gb.wait()).finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------------------------
+# cancellation
+
+
+async def test_a_generation_cancelled_while_queued_never_runs(runtime):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("s")
+        g1 = runtime.generate("s", PROMPT, greedy(16))
+        g2 = runtime.generate("s", [40, 41, 42], greedy(16))
+        g2.cancel()
+        assert runtime.admitted == 1  # left its lane at once
+        assert await g2.wait() == GenerationResult.cancelled_locally()
+        assert [d async for d in g2] == [] and g2.request_id is None  # never sent
+        r1 = await g1.wait()
+        assert r1.finish_reason == "length"
+
+        # The same for a lifecycle call whose caller is cancelled while it waits.
+        g3 = runtime.generate("s", PROMPT, greedy(16))
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await runtime.reset_session("s")
+        assert scope.cancelled_caught and runtime.admitted == 1
+        r3 = await g3.wait()
+        history = PROMPT + r3.generated_token_ids
+        r4 = await runtime.generate("s", history, greedy(1)).wait()
+        assert r4.reused_prompt_tokens == len(history) - 1  # no reset ran in between
+
+
+async def test_a_generation_cancelled_while_running_ends_only_itself(runtime):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        await runtime.open_session("b")
+        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        gb = runtime.generate("b", PROMPT, greedy(64))
+        await first_delta(ga)
+        ga.cancel()
+        ra = await ga.wait()
+        assert ra.finish_reason == "cancelled" and ra.completion_tokens < LONG
+        rb = await gb.wait()
+        assert rb.finish_reason == "length" and rb.completion_tokens == 64
+        # The lease of a came back with the worker's reply: a new generation there is not busy.
+        assert (await runtime.generate("a", PROMPT, greedy(2)).wait()).finish_reason == "length"
+        assert runtime.admitted == 0 and runtime.leased_sessions == 0
+
+
+async def test_a_cancelled_lifecycle_call_returns_at_once_and_settles_under_the_lease(runtime, store):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("s")
+        r = await runtime.generate("s", PROMPT, greedy(8)).wait()
+
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await runtime.save_session("s")
+        # Returned while the save still holds the lease.
+        assert scope.cancelled_caught and runtime.admitted == 1 and runtime.leased_sessions == 1
+        # Waits behind the save; had it run first, the save would have found no session.
+        await runtime.close_session("s")
+        assert await trio.to_thread.run_sync(store.list) == ["s"]
+        assert await runtime.resume_session("s") == "s"
+        history = PROMPT + r.generated_token_ids
+        resumed = await runtime.generate("s", history, greedy(1)).wait()
+        assert resumed.reused_prompt_tokens == len(history) - 1
+
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await runtime.close_session("s")
+        assert scope.cancelled_caught and runtime.admitted == 1
+        with pytest.raises(SessionNotFound):
+            await runtime.generate("s", PROMPT, greedy(1)).wait()  # ran after the close
+        await runtime.open_session("s")  # no SessionExists: the close ran first
+        assert runtime.admitted == 0 and runtime.leased_sessions == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# save and resume
+
+
+async def test_a_save_submitted_during_a_generation_waits_for_it(runtime, store):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("s")
+        g = runtime.generate("s", PROMPT, greedy(200))
+        await first_delta(g)
+        await runtime.save_session("s")  # no Unsaveable "busy generating"
+        assert g.finished
+        r = await g.wait()
+        assert r.finish_reason == "length" and r.completion_tokens == 200
+
+        checkpoint = await trio.to_thread.run_sync(store.load, "s")
+        history = PROMPT + r.generated_token_ids
+        # Everything the generation committed: its last token has no KV yet.
+        assert checkpoint.position == len(history) - 1
+        assert checkpoint.token_ids.tolist() == history[:-1]
+
+        await runtime.close_session("s")
+        await runtime.resume_session("s")
+        resumed = await runtime.generate("s", history, greedy(1)).wait()
+        assert resumed.reused_prompt_tokens == len(history) - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# closing
+
+
+async def test_aclose_worker_settles_work_in_flight(runtime, client, store):
+    outcomes: dict[str, object] = {}
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        await runtime.open_session("b")
+        await runtime.generate("b", PROMPT, greedy(4)).wait()
+        ga = runtime.generate("a", PROMPT, greedy(1000))
+
+        async def save_a() -> None:
+            outcomes["save a"] = await runtime.save_session("a")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(save_a)
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await runtime.save_session("b")  # its caller gives up; the save goes on
+            await runtime.aclose_worker()
+            assert runtime.admitted == 0 and runtime.leased_sessions == 0
+        # Ran to the end, and the saves behind and beside it completed before the worker closed.
+        assert ga.finished and (await ga.wait()).completion_tokens == 1000
+        assert outcomes == {"save a": None}
+        assert await trio.to_thread.run_sync(store.list) == ["a", "b"]
+        assert not client.is_usable and client.returncode == 0
+        with pytest.raises(ClientClosedError):
+            runtime.generate("a", PROMPT, greedy(1))
+        with pytest.raises(ClientClosedError):
+            await runtime.open_session("c")
+
+        await runtime.aclose_worker()  # idempotent
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.aclose_worker)
+            nursery.start_soon(runtime.aclose_worker)
+
+
+async def test_concurrent_aclose_worker_calls_all_wait_for_the_close(runtime, client):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        g = runtime.generate("a", PROMPT, greedy(100))
+        returned = []
+
+        async def close(name):
+            await runtime.aclose_worker()
+            returned.append((name, g.finished, client.returncode))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close, 1)
+            nursery.start_soon(close, 2)
+        # Neither returned before the work settled and the worker was reaped; the generation
+        # was let run to its end.
+        assert sorted(returned) == [(1, True, 0), (2, True, 0)]
+        assert (await g.wait()).finish_reason == "length"
+
+
+async def test_a_cancelled_aclose_worker_cancels_generations_and_still_closes(runtime, client):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        await runtime.open_session("b")
+        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        ga2 = runtime.generate("a", PROMPT, greedy(4))  # waits behind ga
+        await first_delta(ga)
+        outcomes: dict[str, object] = {}
+
+        async def reset_a() -> None:
+            try:
+                outcomes["reset a"] = await runtime.reset_session("a")
+            except ClientClosedError as exc:
+                outcomes["reset a"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reset_a)  # waits behind ga2
+            await trio.testing.wait_all_tasks_blocked()
+            assert runtime.admitted == 3
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await runtime.aclose_worker()
+            assert scope.cancelled_caught
+            # It returned only once everything had settled and the worker was reaped.
+            assert runtime.admitted == 0 and runtime.leased_sessions == 0
+            assert client.returncode is not None
+        assert (await ga.wait()).finish_reason == "cancelled"
+        assert await ga2.wait() == GenerationResult.cancelled_locally() and ga2.request_id is None
+        assert isinstance(outcomes["reset a"], ClientClosedError)
+
+
+async def test_a_dead_worker_fails_every_operation_and_frees_every_lease(runtime, client):
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("a")
+        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        await first_delta(ga)
+        outcomes: dict[str, BaseException] = {}
+
+        async def save_a() -> None:
+            try:
+                await runtime.save_session("a")
+            except WorkerDiedError as exc:
+                outcomes["save a"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(save_a)  # waits behind ga
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(client.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as died:
+            await ga.wait()
+        assert died.value.returncode == -signal.SIGKILL
+        assert outcomes["save a"].returncode == -signal.SIGKILL
+        assert runtime.admitted == 0 and runtime.leased_sessions == 0
+        with pytest.raises(WorkerDiedError):
+            await runtime.open_session("b")
+        await runtime.aclose_worker()
+
+
+# ----------------------------------------------------------------------------------------------
+# no leaks under random operations
+
+
+SESSIONS = ("s0", "s1", "s2")
+# Weighted so that sessions are open and busy often: that is where leases matter.
+KINDS = ("open",) * 2 + ("close", "reset") + ("generate",) * 4 + ("cancel",) + ("save",) * 2 + ("resume",)
+# Errors a random mix may meet. session_busy (or "busy" Unsaveable) never: that is what leases prevent.
+EXPECTED = (SessionNotFound, SessionExists, Unsaveable, CheckpointNotFound)
+
+operation = st.tuples(
+    st.sampled_from(KINDS),
+    st.sampled_from(SESSIONS),
+    # Cancel after that many later submissions (None: never). Mostly never, so that sessions
+    # get open, generate to the end and become saveable often enough.
+    st.sampled_from([None, None, None, 0, 1, 4]),
+    # What the submitter lets happen before the next one: that many checkpoints (a burst, which
+    # may exceed the capacity), or None: until the capacity has room again.
+    st.sampled_from([0, 2, None, None]),
+)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(operation, min_size=200, max_size=200))
+async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, tmp_path_factory, model_files):
+    store = await SessionStore.create(tmp_path_factory.mktemp("rt") / "s", model_files=model_files, configuration=CONFIG)
+    refused = 0
+    seen: set[str] = set()
+
+    def check_refusal() -> None:
+        nonlocal refused
+        refused += 1
+        assert runtime.admitted == runtime.capacity  # refused only when really full
+
+    def check_error(exc: BaseException) -> None:
+        assert isinstance(exc, EXPECTED), repr(exc)
+        assert "busy" not in str(exc), repr(exc)
+        seen.add(type(exc).__name__)
+
+    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+        runtime = SessionRuntime(client, max_concurrent_requests=4)
+        with trio.fail_after(HANG_GUARD_S):
+            streams = []
+            pending_cancels: list[tuple[int, Callable[[], None]]] = []  # (due step, cancel)
+
+            async def consume(stream, scope) -> None:
+                with scope:
+                    try:
+                        async for _ in stream:
+                            pass
+                        await stream.wait()
+                    except EXPECTED as exc:
+                        check_error(exc)
+
+            async def call(kind, sid, scope) -> None:
+                with scope:
+                    try:
+                        await getattr(runtime, f"{kind}_session")(sid)
+                        seen.add(f"{kind} ok")
+                    except CapacityExhausted:
+                        check_refusal()
+                    except EXPECTED as exc:
+                        check_error(exc)
+
+            async with trio.open_nursery() as nursery:
+                for step, (kind, sid, cancel_after, pause) in enumerate(ops):
+                    for _, cancel in [c for c in pending_cancels if c[0] <= step]:
+                        cancel()
+                    pending_cancels = [c for c in pending_cancels if c[0] > step]
+                    scope = trio.CancelScope()
+                    if kind == "cancel":
+                        if streams:
+                            streams[(step * 7919) % len(streams)].cancel()
+                    elif kind == "generate":
+                        try:
+                            stream = runtime.generate(sid, [10 + step % 50, 11, 12], greedy(1 + step % 4))
+                        except CapacityExhausted:
+                            check_refusal()
+                        else:
+                            streams.append(stream)
+                            # Odd steps cancel the stream, even ones abandon its consumer instead.
+                            target = stream.cancel if step % 2 else scope.cancel
+                            if cancel_after is not None:
+                                pending_cancels.append((step + cancel_after, target))
+                            nursery.start_soon(consume, stream, scope)
+                    else:
+                        if cancel_after is not None:
+                            pending_cancels.append((step + cancel_after, scope.cancel))
+                        nursery.start_soon(call, kind, sid, scope)
+                    if pause is None:
+                        while runtime.admitted >= runtime.capacity:
+                            await trio.sleep(0.001)
+                    for _ in range(pause or 0):
+                        await trio.lowlevel.checkpoint()
+                for _, cancel in pending_cancels:
+                    cancel()
+
+            # One last operation per session: it runs after every earlier one there has settled.
+            # Operations whose callers gave up may still hold the capacity for a moment; a leaked
+            # unit would keep refusing, and the hang guard would end the test.
+            for sid in SESSIONS:
+                while True:
+                    try:
+                        await runtime.reset_session(sid)
+                    except CapacityExhausted:
+                        await trio.sleep(0.01)
+                        continue
+                    except SessionNotFound:
+                        pass
+                    break
+            assert runtime.admitted == 0 and runtime.leased_sessions == 0
+            # What the mix reached (--hypothesis-show-statistics).
+            event(f"refused at capacity: {'none' if not refused else 'under 25%' if refused < len(ops) // 4 else 'more'}")
+            for stream in streams:
+                try:
+                    result = await stream.wait()
+                except EXPECTED as exc:
+                    seen.add(type(exc).__name__)
+                else:
+                    seen.add("generation never sent" if stream.request_id is None else f"generation {result.finish_reason}")
+            for name in sorted(seen):
+                event(f"met {name}")
+
+            # The client and the worker are fine: nothing in flight, and a new session works.
+            assert client.is_usable
+            assert (await client.query_info())["inflight_requests"] == 0
+            await runtime.open_session("fresh")
+            assert (await runtime.generate("fresh", PROMPT, greedy(2)).wait()).completion_tokens == 2
+            await runtime.aclose_worker()

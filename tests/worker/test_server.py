@@ -1,0 +1,487 @@
+"""The worker process (`python -m muxworker.worker`) over real pipes, driven frame by frame.
+
+These tests speak the wire protocol directly with the transport's blocking reader and writer, so
+they cover what the trio client never sends: malformed frames, bad flags, signals.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
+from muxworker.transport.framing import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, Frame, attach_payload, payload_array
+from muxworker.worker.server import EXIT_OK, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE
+
+WORKER = [sys.executable, "-m", "muxworker.worker"]
+HANG_GUARD_S = 60.0  # generous: the machine is shared; a timeout here means a hang, not slowness
+
+
+class RawWorker:
+    """A worker subprocess with the test holding the other ends of its two protocol pipes."""
+
+    def __init__(self, args: list[str], tmp_path: Path, *, hello: bool = True):
+        control_read, self.control_write = os.pipe()
+        self.reply_read, reply_write = os.pipe()
+        self.stderr_path = tmp_path / f"worker-{id(self)}.stderr"
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [*WORKER, *args, "--control-fd", str(control_read), "--reply-fd", str(reply_write)],
+                pass_fds=(control_read, reply_write),
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+            )
+        os.close(control_read)
+        os.close(reply_write)
+        self.reader = FdFrameReader(self.reply_read)
+        self.writer = FdFrameWriter(self.control_write)
+        self.hello = self.read() if hello else None
+
+    def read(self, timeout: float = HANG_GUARD_S) -> Frame | None:
+        """The next frame (None at EOF); fails instead of hanging."""
+
+        def on_alarm(signum: int, frame: object) -> None:
+            raise TimeoutError
+
+        # An alarm rather than select(): the reader may already hold the next frames in its buffer.
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            return self.reader.read()
+        except TimeoutError:
+            pytest.fail(f"no frame from the worker within {timeout}s; stderr:\n{self.stderr()}")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def send(self, control: dict, payloads: list | None = None) -> None:
+        self.writer.write(Frame(control, payloads or []))
+
+    def send_raw(self, data: bytes) -> None:
+        os.write(self.control_write, data)
+
+    def close_control(self) -> None:
+        self.writer.close()
+
+    def wait(self, timeout: float = HANG_GUARD_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"the worker did not exit within {timeout}s; stderr:\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def collect(self, *rids: int) -> dict[int, tuple[list[Frame], Frame]]:
+        """Read until every request in ``rids`` has its final frame: {rid: (token frames, final frame)}.
+
+        Frames of other requests are kept for a later call, so interleaved outputs can be checked.
+        """
+        want = set(rids)
+        done: dict[int, tuple[list[Frame], Frame]] = {}
+        for rid in list(want):
+            if rid in self._finals:
+                done[rid] = (self._tokens.pop(rid, []), self._finals.pop(rid))
+        while want - done.keys():
+            frame = self.read()
+            assert frame is not None, f"EOF while waiting for {sorted(want - done.keys())}; stderr:\n{self.stderr()}"
+            rid = frame.control.get("id")
+            if frame.control["kind"] == "token":
+                self._tokens.setdefault(rid, []).append(frame)
+            elif rid in want:
+                done[rid] = (self._tokens.pop(rid, []), frame)
+            else:
+                self._finals[rid] = frame
+        return done
+
+    def final(self, rid: int) -> dict:
+        """The control map of request ``rid``'s final frame."""
+        return self.collect(rid)[rid][1].control
+
+    def __enter__(self) -> RawWorker:
+        self._tokens: dict[int, list[Frame]] = {}
+        self._finals: dict[int, Frame] = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.close()
+        self.writer.close()
+
+
+def _generate(rid: int, sid: str, ids: list[int], max_new_tokens: int = 8, **extra) -> tuple[dict, list]:
+    payloads: list = []
+    ref = attach_payload(payloads, np.asarray(ids, dtype=np.int32))
+    control = {"kind": "generate", "id": rid, "session_id": sid, "prompt": [{"tokens": ref}],
+               "max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [], **extra}
+    return control, payloads
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def _args(model: str, *extra: str) -> list[str]:
+    return ["--model", model, "--max_session_tokens", "256", *extra]
+
+
+# ----------------------------------------------------------------------------------------------
+# start-up
+
+
+def test_hello_describes_model_backend_and_limits(model, tmp_path):
+    with RawWorker(_args(model, "--max_sessions", "3", "--seed", "7"), tmp_path) as w:
+        hello = w.hello.control
+        assert hello["kind"] == "hello"
+        assert hello["protocol"] == list(PROTOCOL_VERSION)
+        assert hello["model"]["architecture"] == "LlamaForCausalLM"
+        assert hello["model"]["vocab_size"] == 384
+        assert hello["model"]["context_length"] == 4096
+        assert hello["model"]["has_chat_template"] is True
+        assert (hello["backend"], hello["device"], hello["dtype"]) == ("torch", "cpu", "float32")
+        assert hello["limits"]["max_sessions"] == 3
+        assert hello["limits"]["max_session_tokens"] == 256
+        assert hello["limits"]["seed"] == 7
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([*WORKER, "--help"], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert out.returncode == 0
+    for flag in ("--model", "--backend", "--device", "--dtype", "--max_sessions", "--max_session_tokens",
+                 "--max_decode_sequences", "--max_inflight_requests", "--prefill_chunk_tokens",
+                 "--prefix_cache_entries", "--threads", "--draft", "--n_draft", "--seed", "--control-fd", "--reply-fd"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--backend", "tensorflow"], "--backend must be one of torch, mlx"),
+        (["--draft", "/some/draft"], "--draft needs --n_draft"),
+        (["--n_draft", "4"], "--n_draft needs --draft"),
+        (["--prefix_cache_entries", "-1"], "prefix_cache_entries"),
+        (["--threads", "0"], "expected a positive integer"),
+        (["--dtype", "float16"], "float16 is not supported on --device cpu"),
+        (["--dtype", "int8"], "invalid choice"),
+        (["--max_sessions", "0"], "expected a positive integer"),
+        (["--device", "tpu"], "must be cpu, cuda or cuda:N"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_invalid_flags_fail_at_start_with_a_message(model, tmp_path, flags, message):
+    with RawWorker(_args(model, *flags), tmp_path, hello=False) as w:
+        frame = w.read()
+        assert frame is not None and frame.control["kind"] == "error"
+        assert frame.control["id"] == 0 and frame.control["code"] == "invalid_argument"
+        assert message in frame.control["message"]
+        assert w.wait() == EXIT_USAGE
+        assert message in w.stderr()
+
+
+def test_missing_protocol_fds_fail_with_the_expected_form(model):
+    out = subprocess.run([*WORKER, "--model", model], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert out.returncode == EXIT_USAGE
+    assert "--control-fd N --reply-fd M" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max_session_tokens", "8192"], "exceeds the model's context length (4096)"),
+        (["--model", "/no/such/model"], "does not exist"),
+    ],
+)
+def test_load_failure_sends_an_error_frame_and_exits_nonzero(model, tmp_path, flags, message):
+    with RawWorker(["--model", model, *flags], tmp_path, hello=False) as w:
+        frame = w.read()
+        assert frame is not None and frame.control["kind"] == "error", frame
+        assert frame.control["id"] == 0 and message in frame.control["message"]
+        assert w.read() is None  # then EOF
+        assert w.wait() == EXIT_STARTUP
+        assert message in w.stderr()
+
+
+# ----------------------------------------------------------------------------------------------
+# requests
+
+
+def test_requests_are_answered_and_outputs_stay_in_order(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send({"kind": "open", "id": 2, "session_id": "b"})
+        assert w.final(1) == {"kind": "ok", "id": 1}
+        assert w.final(2) == {"kind": "ok", "id": 2}
+        w.send(*_generate(3, "a", [5, 6, 7], max_new_tokens=12))
+        w.send(*_generate(4, "b", [8, 9], max_new_tokens=6))
+        out = w.collect(3, 4)
+        for rid, n in ((3, 12), (4, 6)):
+            tokens, done = out[rid]
+            assert done.control["kind"] == "done"
+            result = done.control["result"]
+            ids = payload_array(done, result["generated_token_ids"])
+            assert ids.dtype == np.int32 and len(ids) == n == result["completion_tokens"]
+            assert [t for f in tokens for t in f.control["token_ids"]] == ids.tolist()
+            assert result["finish_reason"] == "length"
+            assert result["prompt_tokens"] == result["prefilled_prompt_tokens"] == (3 if rid == 3 else 2)
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": 42})  # wrong type
+        error = w.final(1)
+        assert error["kind"] == "error" and error["code"] == "invalid_argument"
+        assert "session_id" in error["message"]
+        w.send({"kind": "open", "id": 2, "session_id": "a", "colour": "blue"})  # unknown field
+        assert "colour" in w.final(2)["message"]
+        w.send({"kind": "frobnicate", "id": 3})  # unknown kind
+        assert w.final(3)["code"] == "invalid_argument"
+        w.send({"kind": "generate", "id": 4, "session_id": "nope", "prompt": [{"text": "hi"}]})
+        assert w.final(4)["code"] == "session_not_found"
+        w.send({"kind": "open", "id": 5, "session_id": "a"})
+        assert w.final(5)["kind"] == "ok"
+        w.send(*_generate(6, "a", [1, 2], max_new_tokens=0))
+        assert w.final(6)["code"] == "invalid_argument"
+        w.send(*_generate(7, "a", [1, 10_000]))
+        assert "outside the vocabulary" in w.final(7)["message"]
+        w.send({"kind": "detokenize", "id": 8, "tokens": {"payload": 0, "dtype": "int32", "shape": [1]}},
+               [np.asarray([10_000], dtype=np.int32)])
+        assert w.final(8)["code"] == "invalid_argument"
+        w.send({"kind": "tokenize", "id": 9, "text": "x"}, [b"stray payload"])
+        assert w.final(9)["kind"] == "tokens"  # payloads nobody names are ignored
+        w.send({"kind": "chat_template", "id": 10, "messages": []})
+        assert w.final(10)["code"] == "invalid_argument"
+        w.send({"kind": "open", "id": 11, "session_id": "b"})
+        assert w.final(11)["kind"] == "ok"
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_cancel_arriving_during_generation_ends_only_its_target(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        for rid, sid in ((1, "a"), (2, "b")):
+            w.send({"kind": "open", "id": rid, "session_id": sid})
+            w.final(rid)
+        w.send(*_generate(3, "a", [5, 6], max_new_tokens=200))
+        w.send(*_generate(4, "b", [7, 8], max_new_tokens=40))
+        frame = w.read()  # a first token: the generations are running
+        w._tokens.setdefault(frame.control["id"], []).append(frame)
+        w.send({"kind": "cancel", "id": 3})
+        out = w.collect(3, 4)
+        result3 = out[3][1].control["result"]
+        assert result3["finish_reason"] == "cancelled" and result3["completion_tokens"] < 200
+        result4 = out[4][1].control["result"]
+        assert result4["finish_reason"] == "length" and result4["completion_tokens"] == 40
+        w.send({"kind": "cancel", "id": 3})  # already finished: a no-op
+        w.send({"kind": "cancel", "id": 99})  # never existed: a no-op
+        w.send({"kind": "open", "id": 5, "session_id": "c"})
+        assert w.final(5)["kind"] == "ok"
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_close_settles_the_session_request_before_its_ok(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.collect(1)
+        w.send(*_generate(2, "a", [5, 6], max_new_tokens=200))
+        w.read()  # generation is running
+        w.send({"kind": "close", "id": 3, "session_id": "a"})
+        order = []
+        while len(order) < 2:
+            frame = w.read()
+            if frame.control["kind"] != "token":
+                order.append((frame.control["kind"], frame.control["id"]))
+        assert order == [("done", 2), ("ok", 3)]
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_tokenize_detokenize_chat_template_info(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "tokenize", "id": 1, "text": "Hello world"})
+        reply = w.collect(1)[1][1]
+        ids = payload_array(reply, reply.control["tokens"]).tolist()
+        assert ids and all(isinstance(i, int) for i in ids)
+        payloads: list = []
+        ref = attach_payload(payloads, np.asarray(ids, dtype=np.int32))
+        w.send({"kind": "detokenize", "id": 2, "tokens": ref}, payloads)
+        assert w.final(2) == {"kind": "text", "id": 2, "text": "Hello world"}
+        w.send({"kind": "chat_template", "id": 3, "messages": [{"role": "user", "content": "hi"}]})
+        reply = w.collect(3)[3][1]
+        assert reply.control["kind"] == "tokens"
+        assert reply.control["text"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert payload_array(reply, reply.control["tokens"])[0] == 1  # <|im_start|> as one special token
+        w.send({"kind": "info", "id": 4})
+        info = w.final(4)
+        assert info["kind"] == "ok" and info["value"]["model"] == w.hello.control["model"]
+        assert info["value"]["stats"]["steps"] == 0
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_export_restore_round_trip_over_the_wire(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send(*_generate(2, "a", list(range(3, 40)), max_new_tokens=4))
+        w.collect(2)
+        w.send({"kind": "export", "id": 3, "session_id": "a"})
+        ckpt = w.collect(3)[3][1]
+        assert ckpt.control["kind"] == "checkpoint"
+        manifest = ckpt.control["checkpoint"]
+        assert manifest["position"] == 37 + 4 - 1  # the last sampled token has no KV yet
+        w.send({"kind": "restore", "id": 4, "session_id": "b", "position": manifest["position"], "checkpoint": manifest},
+               [bytes(p) for p in ckpt.payloads])
+        assert w.final(4)["kind"] == "ok"
+        w.send({"kind": "restore", "id": 5, "session_id": "b", "position": 1, "checkpoint": manifest},
+               [bytes(p) for p in ckpt.payloads])
+        assert w.final(5)["code"] == "session_exists"
+        broken = dict(manifest, position=manifest["position"] + 1)
+        w.send({"kind": "restore", "id": 6, "session_id": "c", "position": 1, "checkpoint": broken},
+               [bytes(p) for p in ckpt.payloads])
+        assert w.final(6)["code"] == "checkpoint_rejected"
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# shutdown
+
+
+def test_eof_settles_every_request_and_exits_zero(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send(*_generate(2, "a", [5, 6], max_new_tokens=250))
+        w.collect(1)
+        w.read()  # running
+        w.close_control()
+        done = w.collect(2)[2][1]
+        assert done.control["result"]["finish_reason"] == "cancelled"
+        assert w.read() is None
+        assert w.wait() == EXIT_OK
+
+
+def test_sigterm_settles_every_request_and_exits_zero(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send(*_generate(2, "a", [5, 6], max_new_tokens=250))
+        w.collect(1)
+        w.read()
+        w.proc.send_signal(signal.SIGTERM)
+        done = w.collect(2)[2][1]
+        assert done.control["result"]["finish_reason"] == "cancelled"
+        assert w.read() is None
+        assert w.wait() == EXIT_OK
+        assert "SIGTERM" in w.stderr()
+
+
+def test_sigterm_while_idle_exits_zero(model, tmp_path):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.read() is None
+        assert w.wait() == EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# a broken frame stream: an exit with a message, never a hang
+
+
+def _header(control_len: int, payload_lengths: tuple[int, ...] = (), magic: bytes = MAGIC) -> bytes:
+    major, minor = PROTOCOL_VERSION
+    return struct.pack("<4sBBHII", magic, major, minor, 0, control_len, len(payload_lengths)) + struct.pack(
+        f"<{len(payload_lengths)}Q", *payload_lengths
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param(_header(100)[: HEADER_SIZE - 3], "truncated frame", id="truncated-header"),
+        pytest.param(_header(100) + b"\x81", "truncated frame", id="truncated-control"),
+        pytest.param(_header(1 << 30), "exceeds max_control_bytes", id="oversized-control"),
+        pytest.param(_header(10, (1 << 40,)), "payload bytes", id="oversized-payload"),
+        pytest.param(b"GET / HTTP/1.1\r\n\r\n", "bad magic", id="bad-magic"),
+        pytest.param(_header(3) + b"\xc1\xc1\xc1", "not valid msgpack", id="bad-msgpack"),
+        pytest.param(_header(1) + msgpack.packb(7), "must be a msgpack map", id="control-not-a-map"),
+        pytest.param(_header(len(msgpack.packb({"kind": "open"}))) + msgpack.packb({"kind": "open"}),
+                     "missing required field", id="no-request-id"),
+        pytest.param(_header(len(msgpack.packb({"kind": "open", "id": -1, "session_id": "a"})))
+                     + msgpack.packb({"kind": "open", "id": -1, "session_id": "a"}),
+                     "field id", id="negative-request-id"),
+    ],
+)
+def test_malformed_frames_exit_with_a_message(model, tmp_path, data, message):
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send(*_generate(2, "a", [5, 6], max_new_tokens=250))
+        w.collect(1)
+        w.send_raw(data)
+        w.close_control()  # a truncated frame is only known as such at EOF
+        frames = []
+        while (frame := w.read()) is not None:
+            frames.append(frame)
+        done = [f for f in frames if f.control["kind"] == "done"]
+        assert done and done[0].control["result"]["finish_reason"] in ("cancelled", "length")
+        last = frames[-1].control
+        assert last["kind"] == "error" and last["id"] == 0 and last["code"] == "protocol"
+        assert message in last["message"]
+        assert w.wait() == EXIT_PROTOCOL
+        assert message in w.stderr()
+
+
+# ----------------------------------------------------------------------------------------------
+# the same worker over interchangeable engines
+
+
+def _has_mlx() -> bool:
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _greedy_run(args: list[str], tmp_path: Path) -> tuple[dict, list[int]]:
+    with RawWorker(args, tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send(*_generate(2, "a", [5, 6, 7, 8], max_new_tokens=24))
+        w.final(1)
+        done = w.collect(2)[2][1]
+        w.close_control()
+        assert w.wait() == EXIT_OK
+        return w.hello.control, payload_array(done, done.control["result"]["generated_token_ids"]).tolist()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(["--backend", "mlx"], id="mlx",
+                     marks=pytest.mark.skipif(not _has_mlx(), reason="the mlx package is not installed")),
+        pytest.param(["--n_draft", "3"], id="draft"),
+    ],
+)
+def test_backends_and_speculative_decoding_serve_the_same_greedy_tokens(model, tmp_path, extra):
+    _, reference = _greedy_run(_args(model), tmp_path)
+    if "--n_draft" in extra:
+        extra = [*extra, "--draft", model]  # the model drafting for itself: every draft is accepted
+    hello, ids = _greedy_run(_args(model, *extra), tmp_path)
+    if "--backend" in extra:
+        assert hello["backend"] == "mlx"
+    else:
+        assert hello["limits"]["n_draft"] == 3 and hello["model"]["draft"]["n_draft"] == 3
+    assert ids == reference
