@@ -26,12 +26,25 @@ def model_identity_files(model_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def worker_configuration(
-    *, backend: str = "torch", dtype: str = "float32", draft: str | os.PathLike[str] | None = None, n_draft: int = 0, **extra: Any
+    *,
+    backend: str | None = "torch",
+    dtype: str = "float32",
+    draft: str | os.PathLike[str] | None = None,
+    n_draft: int = 0,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """The settings that change activations (and so a checkpoint's KV), as a canonical dict."""
-    config: dict[str, Any] = {"backend": backend, "dtype": dtype, "draft": None, "n_draft": 0}
+    """The settings that change activations (and so a checkpoint's KV), as a canonical dict.
+
+    Checkpoints are logical, so torch and MLX workers can read each other's; ``backend=None``
+    leaves the backend out of the identity for applications that want to move sessions between
+    backends (the worker still checks dtype and geometry on restore).
+    """
+    config: dict[str, Any] = {"dtype": dtype, "draft": None, "n_draft": 0}
+    if backend is not None:
+        config["backend"] = backend
     if draft is not None:
-        config["draft"] = [str(p) for p in model_identity_files(draft)]
+        # The draft's bytes are bound by passing model_identity_files(draft) in model_files too.
+        config["draft"] = Path(draft).name
         config["n_draft"] = int(n_draft)
     config.update(extra)
     return config
