@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -206,7 +205,6 @@ class Engine:
         self._sessions: dict[str, _Session] = {}
         self._free_slots: list[int] = list(range(config.max_sessions - 1, -1, -1))
         self._requests: dict[int, _Request] = {}
-        self._cancelled: deque[int] = deque()
         self._outputs: list[EngineOutput] = []
         self._decode_cursor = 0
         self._prefill_cursor = 0
@@ -441,14 +439,16 @@ class Engine:
         self._requests[request_id] = req
 
     def cancel(self, request_id: int) -> bool:
-        """Ask for a request to end; returns whether it was in flight. Takes effect at the next step."""
-        if request_id in self._requests:
-            self._cancelled.append(request_id)
-            return True
-        return False
+        """End a request now (its result comes from the next ``step``); returns whether it was in
+        flight. The session is idle at once, so a generation submitted right after is accepted."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "cancelled")
+        return True
 
     def has_work(self) -> bool:
-        return bool(self._requests or self._outputs or self._cancelled)
+        return bool(self._requests or self._outputs)
 
     @property
     def inflight(self) -> int:
@@ -539,13 +539,6 @@ class Engine:
         elif len(req.generated) >= req.max_new:
             self._finish(req, "length")
 
-    def _process_cancels(self) -> None:
-        while self._cancelled:
-            rid = self._cancelled.popleft()
-            req = self._requests.get(rid)
-            if req is not None:
-                self._finish(req, "cancelled")
-
     def _schedule(self) -> tuple[list[_Request], list[tuple[_Request, int]]]:
         """Pick decode requests and prefill chunks for one forward pass."""
         reqs = list(self._requests.values())
@@ -576,7 +569,6 @@ class Engine:
         With a draft model the target's one forward is preceded by the draft's forwards (one per
         drafted position), which propose the tokens the target verifies.
         """
-        self._process_cancels()
         decoding, chunks = self._schedule()
         proposals: dict[int, _Proposal] = {}
         if self.draft is not None and (decoding or chunks):
@@ -899,7 +891,6 @@ class Engine:
             self._closed = True
             for req in list(self._requests.values()):
                 self._finish(req, "cancelled")
-            self._cancelled.clear()
         out, self._outputs = self._outputs, []
         return out
 

@@ -364,3 +364,18 @@ def test_restore_validation_leaves_id_unused(mistral, llama):
     with pytest.raises(Unsaveable, match="empty"):
         other.open_session("e")
         other.export_checkpoint("e")
+
+
+def test_generation_right_after_a_cancel_is_accepted(llama):
+    """A cancel frees its session at once: the next turn on it is not session_busy."""
+    eng = make(llama)
+    eng.open_session("a")
+    eng.submit(1, "a", prompt_ids(10, 1), greedy(50))
+    eng.step()
+    eng.step()
+    assert eng.cancel(1)
+    assert not eng.cancel(1)
+    eng.submit(2, "a", eng.session_tokens("a") + [7], greedy(3))
+    res = run(eng)
+    assert res[1][1]["finish_reason"] == "cancelled"
+    assert res[2][1]["finish_reason"] == "length"
