@@ -88,10 +88,7 @@ class Attention(nn.Module):
             slots = torch.tensor([s.slot for s in decode], device=x.device)
             pos = torch.tensor([s.start for s in decode], device=x.device)
             kb, vb, mask = layer_cache.decode_kv(slots, pos, k[rows], v[rows])  # [B, KV, L, D]
-            o = F.scaled_dot_product_attention(
-                q[rows].unsqueeze(2), kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=gqa
-            )  # [B, H, 1, D]
-            out[rows] = o[:, :, 0]
+            out[rows] = _decode_attention(q[rows], kb, vb, mask, self.scale)
             spans = [s for s in spans if s.length != 1]
         for s in spans:
             rows = slice(s.offset, s.offset + s.length)
@@ -113,6 +110,24 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
             out[rows] = o[0].transpose(0, 1)  # [T, H, D]
         return self.o_proj(out.view(n, self.n_heads * self.head_dim))
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k: torch.Tensor,  # [B, KV, L, D]
+    v: torch.Tensor,  # [B, KV, L, D]
+    mask: torch.Tensor,  # [B, 1, 1, L] bool, True = attend
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """One query per sequence. Two batched matmuls with the query heads grouped by KV head: for a
+    single query row this is several times cheaper on CPU than the fused SDPA kernel with a mask."""
+    b, h, d = q.shape
+    kv = k.shape[1]
+    qg = q.view(b, kv, h // kv, d)  # [B, KV, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, KV, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask broadcasts over KV and G
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, h, d)
 
 
 class MLP(nn.Module):
