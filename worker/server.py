@@ -652,4 +652,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         writer.close()
         return EXIT_STARTUP
+    _log(_startup_summary(engine))
     return WorkerServer(engine, reader, writer, _hello(engine)).serve()
+
+
+def _startup_summary(engine: Engine) -> str:
+    """One stderr line: what is served and how much KV memory was preallocated for it."""
+    cfg = engine.config
+    mib = engine.cache.nbytes / 2**20
+    draft = getattr(engine, "draft", None)
+    draft_mib = draft.cache.nbytes / 2**20 if draft is not None else 0.0
+    return (
+        f"serving {engine.model_name} on {engine.backend}/{engine.device_name} ({engine.dtype_name}); "
+        f"KV cache {mib:.1f} MiB preallocated: {cfg.max_sessions} sessions + {cfg.prefix_cache_entries} "
+        f"prefix-cache entries x {cfg.max_session_tokens} tokens"
+        + (f"; draft KV cache {draft_mib:.1f} MiB" if draft is not None else "")
+    )

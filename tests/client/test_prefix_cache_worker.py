@@ -13,6 +13,11 @@ async def test_second_session_prefills_only_its_own_part(tiny_llama_dir):
     with trio.fail_after(120):  # hang guard
         async with spawn_multiplexed_worker(cmd) as client:
             assert client.info.limits["prefix_cache_entries"] == 2
+            # The start-up line reports the preallocated KV memory, prefix-cache slots included.
+            while not any("prefix-cache entries" in line for line in client.stderr_tail):
+                await trio.sleep(0.05)
+            line = next(line for line in client.stderr_tail if "KV cache" in line)
+            assert "8 sessions + 2 prefix-cache entries x 1024 tokens" in line
             for i, sid in enumerate(("a", "b")):
                 await client.open_session(sid)
                 params = GenerationParams(session_id=sid, max_new_tokens=6, stop_token_ids=[])
