@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from muxworker.transport.checkpoint import required_rows
+
 
 @dataclass(frozen=True)
 class AttentionKV:
@@ -28,6 +30,51 @@ class AttentionKV:
     v: torch.Tensor  # [KV, L, D]
     lo: int
     ordered: bool = True
+
+
+class FullRetention:
+    """Full attention keeps every row: any position <= length can be continued from."""
+
+    window: int | None = None
+
+    def retained(self, length: int) -> tuple[int, int]:
+        return 0, length
+
+    def needed(self, position: int) -> int:
+        return 0
+
+
+class RingRetention:
+    """A sliding window W keeps the last W positions (spare rollback rows are never counted) and
+    continuing from p needs rows [p - (W - 1), p): the rule checkpoints use (required_rows)."""
+
+    window: int
+
+    def retained(self, length: int) -> tuple[int, int]:
+        return max(0, length - self.window), length
+
+    def needed(self, position: int) -> int:
+        return required_rows(self.window, position)[0]
+
+
+class CacheRetention:
+    """Whole-cache retention questions, from the layers' own (shared by every backend's KVCache)."""
+
+    layers: list
+
+    def can_truncate(self, length: int, position: int) -> bool:
+        """Whether a slot holding ``length`` rows can continue from ``position`` <= length."""
+        if position > length:
+            return False
+        return all(layer.retained(length)[0] <= layer.needed(position) for layer in self.layers)
+
+    def earliest_position(self, length: int) -> int:
+        """The smallest position > 0 a slot holding ``length`` rows can continue from."""
+        lo = 1
+        for layer in self.layers:
+            if layer.window is not None and layer.retained(length)[0] > 0:
+                lo = max(lo, layer.retained(length)[0] + layer.window - 1)
+        return min(lo, length)
 
 
 class LayerCache:
@@ -73,19 +120,13 @@ class LayerCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
-class FullLayerCache(LayerCache):
+class FullLayerCache(FullRetention, LayerCache):
     """Full attention: row p of a slot holds position p. Layout [slots, KV, T, D]."""
 
     def __init__(self, slots: int, max_tokens: int, kv_heads: int, head_dim: int, dtype, device) -> None:
         self.window = None
         self.k = torch.zeros(slots, kv_heads, max_tokens, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-
-    def retained(self, length: int) -> tuple[int, int]:
-        return 0, length
-
-    def needed(self, position: int) -> int:
-        return 0
 
     def attention_kv(self, slot, start, k_new, v_new):
         # k_new, v_new: [T, KV, D]
@@ -120,7 +161,7 @@ class FullLayerCache(LayerCache):
         self.v[dst, :, :length] = self.v[src, :, :length]
 
 
-class RingLayerCache(LayerCache):
+class RingLayerCache(RingRetention, LayerCache):
     """Sliding-window attention: row ``p % capacity`` holds position p. Layout [slots, KV, C, D].
 
     ``capacity`` C is ``window`` W plus ``spare`` rows. The spare rows let a slot roll back: a slot
@@ -139,12 +180,6 @@ class RingLayerCache(LayerCache):
         self.capacity = window + spare
         self.k = torch.zeros(slots, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-
-    def retained(self, length: int) -> tuple[int, int]:
-        return max(0, length - self.window), length
-
-    def needed(self, position: int) -> int:
-        return max(0, position - (self.window - 1))
 
     def _ring_index(self, lo: int, hi: int) -> torch.Tensor:
         return torch.arange(lo, hi, device=self.k.device) % self.capacity
@@ -217,7 +252,7 @@ class RingLayerCache(LayerCache):
         self.v[dst] = self.v[src]
 
 
-class KVCache:
+class KVCache(CacheRetention):
     """All layers' caches for ``slots`` sessions, preallocated once."""
 
     def __init__(
@@ -256,17 +291,3 @@ class KVCache:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for layer in self.layers:
             layer.copy_slot(src, dst, length)
-
-    def can_truncate(self, length: int, position: int) -> bool:
-        """Whether a slot holding ``length`` rows can continue from ``position`` <= length."""
-        if position > length:
-            return False
-        return all(layer.retained(length)[0] <= layer.needed(position) for layer in self.layers)
-
-    def earliest_position(self, length: int) -> int:
-        """The smallest position > 0 a slot holding ``length`` rows can continue from."""
-        lo = 1
-        for layer in self.layers:
-            if layer.window is not None and layer.retained(length)[0] > 0:
-                lo = max(lo, layer.retained(length)[0] + layer.window - 1)
-        return min(lo, length)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .cache import CacheRetention, FullRetention, RingRetention
+
 __all__ = ["AttentionKV", "FullLayerCache", "KVCache", "LayerCache", "RingLayerCache"]
 
 
@@ -97,7 +99,7 @@ def _alloc(slots: int, kv_heads: int, rows: int, head_dim: int, dtype: mx.Dtype)
     return arrays
 
 
-class FullLayerCache(LayerCache):
+class FullLayerCache(FullRetention, LayerCache):
     """Full attention: row p of a slot holds position p. Layout: per slot [KV, T, D]."""
 
     def __init__(self, slots: int, max_tokens: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
@@ -105,12 +107,6 @@ class FullLayerCache(LayerCache):
         self.max_tokens = max_tokens
         self.k = _alloc(slots, kv_heads, max_tokens, head_dim, dtype)
         self.v = _alloc(slots, kv_heads, max_tokens, head_dim, dtype)
-
-    def retained(self, length: int) -> tuple[int, int]:
-        return 0, length
-
-    def needed(self, position: int) -> int:
-        return 0
 
     def _check_rows(self, end: int) -> None:
         # MLX clamps out-of-range slices instead of raising, so the bound is checked here.
@@ -151,7 +147,7 @@ class FullLayerCache(LayerCache):
         self.v[dst][:, :length] = self.v[src][:, :length]
 
 
-class RingLayerCache(LayerCache):
+class RingLayerCache(RingRetention, LayerCache):
     """Sliding-window attention: row ``p % capacity`` holds position p. Layout: per slot [KV, C, D].
 
     ``capacity`` C is ``window`` W plus ``spare`` rows, as in cache.RingLayerCache: the spare rows let
@@ -168,12 +164,6 @@ class RingLayerCache(LayerCache):
         self.capacity = window + spare
         self.k = _alloc(slots, kv_heads, self.capacity, head_dim, dtype)
         self.v = _alloc(slots, kv_heads, self.capacity, head_dim, dtype)
-
-    def retained(self, length: int) -> tuple[int, int]:
-        return max(0, length - self.window), length
-
-    def needed(self, position: int) -> int:
-        return max(0, position - (self.window - 1))
 
     def _ring_slices(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Positions [lo, hi) (at most ``capacity`` of them) as (row, row_end, count) runs of the ring."""
@@ -260,7 +250,7 @@ class RingLayerCache(LayerCache):
         self.v[dst][:] = self.v[src]
 
 
-class KVCache:
+class KVCache(CacheRetention):
     """All layers' caches for ``slots`` sessions, preallocated once."""
 
     def __init__(
@@ -303,17 +293,3 @@ class KVCache:
         for layer in self.layers:
             layer.copy_slot(src, dst, length)
         mx.eval(self.slot_arrays([dst]))
-
-    def can_truncate(self, length: int, position: int) -> bool:
-        """Whether a slot holding ``length`` rows can continue from ``position`` <= length."""
-        if position > length:
-            return False
-        return all(layer.retained(length)[0] <= layer.needed(position) for layer in self.layers)
-
-    def earliest_position(self, length: int) -> int:
-        """The smallest position > 0 a slot holding ``length`` rows can continue from."""
-        lo = 1
-        for layer in self.layers:
-            if layer.window is not None and layer.retained(length)[0] > 0:
-                lo = max(lo, layer.retained(length)[0] + layer.window - 1)
-        return min(lo, length)
