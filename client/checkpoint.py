@@ -338,6 +338,23 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def _owned_buffer(nbytes: int) -> memoryview:
+    """Fresh writable host memory for ``nbytes`` of payloads, read into directly (no zero-fill pass).
+
+    One anonymous mapping advised for transparent huge pages: the kernel then faults the memory in
+    2 MiB at a time while the read fills it. Measured on a 90 MiB file (scripts/bench_checkpoint_file.py
+    and the numbers in docs/CHECKPOINT_FORMAT.md): about 19 ms, against 26 ms for one np.empty, 53 ms
+    for one np.empty per payload and 56 ms for copying out of a file mapping.
+    """
+    block = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP disabled or unsupported: 4 KiB pages, same result, somewhat slower
+    return memoryview(block)[:nbytes]
+
+
 def _check_depth(obj: Any, depth: int = 1) -> None:
     """Reject maps/arrays nested deeper than MAX_DEPTH (the recursion stops there too)."""
     if depth > MAX_DEPTH:
@@ -477,14 +494,19 @@ def read_checkpoint_file(
             raise CheckpointCorrupt(f"{path!r}: trailer is damaged or does not match the header")
         if manifest_only:
             return manifest["session_id"], None
-        # Payloads are read through a read-only mapping of the file: the page cache's own pages,
-        # so no fresh memory is zero-filled and nothing is copied (first touches of fresh
-        # anonymous memory cost more than the read itself on small VMs). The arrays keep the
-        # mapping alive. The store only ever replaces files atomically, never in place.
-        mapped = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ))
+        # Payloads are read into memory this load owns, never mapped from the file: a mapping would
+        # let a later in-place write to the file (`cp other path`) change the loaded checkpoint and
+        # a truncation kill the process with SIGBUS. CRCs are computed on the owned bytes, so a
+        # change racing with the read fails the check instead of passing it.
+        # Each payload starts 64-byte aligned in the block, so every array is aligned for its dtype.
+        starts = [0]
+        for _, length, _ in table:
+            starts.append(starts[-1] + -(-length // 64) * 64)
+        buffer = _owned_buffer(starts[-1])
         buffers = []
-        for i, (offset, length, expected_crc) in enumerate(table):
-            view = mapped[offset : offset + length]
+        for i, ((offset, length, expected_crc), start) in enumerate(zip(table, starts)):
+            view = buffer[start : start + length]
+            _read_exact(fd, view, offset)
             if crc32c(view) != expected_crc:
                 raise CheckpointCorrupt(f"{path!r}: payload {i} checksum mismatch")
             buffers.append(view)

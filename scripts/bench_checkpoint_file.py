@@ -1,12 +1,13 @@
 """Checkpoint file throughput against raw file I/O of the same bytes, side by side in one run.
 
-For SmolLM2-135M-shaped sessions (30 layers, 3 KV heads, head_dim 64, float32) of 512, 4,096 and
-8,000 tokens: ``save_checkpoint`` (CRC32C, write, fsync, rename, directory fsync) against a raw
+For SmolLM2-135M-shaped sessions (30 layers, 3 KV heads, head_dim 64, float32 or bfloat16) of 512,
+4,096 and 8,000 tokens: ``save_checkpoint`` (CRC32C, write, fsync, rename, directory fsync) against a raw
 write + fsync of the same payload bytes, and ``load_checkpoint`` of a file in the page cache
 (read, verify every CRC, build the checkpoint) against a raw read of the same bytes into a fresh
 buffer. A ratio is raw time / checkpoint time (1.0 = as fast as raw; the target is >= 0.5).
 
-    python scripts/bench_checkpoint_file.py [--tokens 512,4096,8000] [--repeat 5] [--dir DIR]
+    python scripts/bench_checkpoint_file.py [--tokens 512,4096,8000] [--dtype float32|bfloat16]
+                                            [--repeat 5] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ from muxworker.transport.checkpoint import checkpoint_to_wire
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 
-def smollm2_checkpoint(tokens: int, seed: int = 0) -> CPUCheckpoint:
+def smollm2_checkpoint(tokens: int, seed: int = 0, dtype: str = "float32") -> CPUCheckpoint:
     rng = np.random.default_rng(seed)
 
     def rows() -> np.ndarray:  # [T, KV, D]
-        return rng.random((tokens, KV_HEADS, HEAD_DIM), dtype=np.float32)
+        x = rng.random((tokens, KV_HEADS, HEAD_DIM), dtype=np.float32)
+        # bfloat16 travels as its raw bits in uint16: the top half of each float32.
+        return x if dtype == "float32" else (x.view(np.uint32) >> 16).astype(np.uint16)
 
     return CPUCheckpoint(
-        format={"backend": "torch", "dtype": "float32", "layout_version": 1},
+        format={"backend": "torch", "dtype": dtype, "layout_version": 1},
         geometry={"num_layers": LAYERS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "windows": [None] * LAYERS},
         position=tokens,
@@ -73,8 +76,8 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def bench(tokens: int, repeat: int, directory: str) -> dict:
-    ckpt = smollm2_checkpoint(tokens)
+def bench(tokens: int, repeat: int, directory: str, dtype: str = "float32") -> dict:
+    ckpt = smollm2_checkpoint(tokens, dtype=dtype)
     _, payloads = checkpoint_to_wire(ckpt)
     views = [memoryview(p).cast("B") for p in payloads]
     path = os.path.join(directory, f"ckpt-{tokens}.mxckpt")
@@ -116,15 +119,16 @@ def bench(tokens: int, repeat: int, directory: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="512,4096,8000")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         for tokens in (int(t) for t in args.tokens.split(",")):
-            rows.append(bench(tokens, args.repeat, directory))
+            rows.append(bench(tokens, args.repeat, directory, args.dtype))
     mib = 2**20
-    print(f"SmolLM2-135M geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} head_dim, float32), "
+    print(f"SmolLM2-135M geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} head_dim, {args.dtype}), "
           f"median of {args.repeat}; ratio = raw time / checkpoint time (target >= 0.5)\n")
     print("| tokens | payload MiB | file MiB | save ms | raw write+fsync ms | save ratio "
           "| load ms | raw read ms | load ratio | save MiB/s | load MiB/s |")

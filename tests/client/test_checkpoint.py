@@ -1,7 +1,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import subprocess
+import sys
+import textwrap
 
 import msgpack
 import numpy as np
@@ -488,3 +492,55 @@ def test_fifo_and_directory_are_rejected_without_blocking(tmp_path):
     with pytest.raises(CheckpointUnsafePath):
         save_checkpoint(make_checkpoint(), directory)
     assert sorted(os.listdir(tmp_path)) == ["dir.mxckpt", "fifo.mxckpt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A loaded checkpoint is an independent snapshot of the file
+
+
+def test_overwriting_the_file_in_place_does_not_change_a_loaded_checkpoint(saved, tmp_path):
+    ckpt, path = saved
+    loaded = load_checkpoint(path)
+    other = tmp_path / "other.mxckpt"
+    save_checkpoint(make_checkpoint(seed=7), other)
+    inode = os.stat(path).st_ino
+    shutil.copyfile(other, path)  # what `cp other path` does: new bytes in the same inode
+    assert os.stat(path).st_ino == inode
+    assert_same(ckpt, loaded)
+    os.truncate(path, 0)
+    assert_same(ckpt, loaded)
+
+
+def test_truncating_the_file_after_loading_does_not_crash_the_process(saved):
+    # In a child process: before loads owned their bytes, reading a loaded array after the file
+    # shrank raised SIGBUS, which would take the test run down with it.
+    _, path = saved
+    script = textwrap.dedent(
+        f"""
+        import os
+        from muxworker.client.checkpoint import load_checkpoint
+        loaded = load_checkpoint({str(path)!r})
+        expected = [layer.keys.tobytes() + layer.values.tobytes() for layer in loaded.layers]
+        os.truncate({str(path)!r}, 0)
+        got = [layer.keys.tobytes() + layer.values.tobytes() for layer in loaded.layers]
+        print("same" if got == expected else "changed")
+        """
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (child.returncode, child.stdout.strip()) == (0, "same"), child.stderr
+
+
+def test_a_file_changed_while_it_is_read_fails_its_checksum(saved, monkeypatch):
+    # The CRC is computed on the bytes this load owns, so a change racing with the read is caught.
+    ckpt, path = saved
+    real = ckfile._read_exact
+    first_payload = layout(path.read_bytes())["payloads"][0][0]
+
+    def read_then_change(fd, view, offset):
+        real(fd, view, offset)
+        if offset == first_payload:  # as if the file changed under the read
+            view[0] ^= 0xFF
+
+    monkeypatch.setattr(ckfile, "_read_exact", read_then_change)
+    with pytest.raises(CheckpointCorrupt, match="payload 0 checksum mismatch"):
+        load_checkpoint(path)

@@ -4,6 +4,7 @@ the checkpoint queue. Greedy float32 on a tiny random model, so continuations mu
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 
@@ -123,6 +124,28 @@ async def test_exact_retry_restores_one_token_early_and_prefills_one(worker_comm
         result = await client.generate(partial, greedy("partial")).wait()
         assert (result.reused_prompt_tokens, result.prefilled_prompt_tokens) == (25, len(SUFFIX))
         assert result.generated_token_ids == await _cold(client, partial)
+
+
+async def test_a_loaded_checkpoint_survives_its_file_being_overwritten_and_truncated(worker_command, model_dir, tmp_path):
+    store = await _store(tmp_path / "store", model_dir)
+    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+        for sid, prompt in (("chat", PROMPT), ("other", PROMPT[::-1])):
+            await client.open_session(sid)
+            await client.generate(prompt, greedy(sid)).wait()
+            await client.save_session(sid)
+        exported = await client.export_checkpoint_to_cpu("chat", identity=store.identity)
+        loaded = await trio.to_thread.run_sync(store.load, "chat")
+        path = store.path_for("chat")
+        shutil.copyfile(store.path_for("other"), path)  # `cp other path`: same inode, new bytes
+        _same_bytes(loaded, exported)
+        os.truncate(path, 0)  # reading a mapping of it now would raise SIGBUS
+        _same_bytes(loaded, exported)
+        await client.restore_checkpoint_from_cpu(loaded, "restored", expected_identity=store.identity)
+        _same_bytes(await client.export_checkpoint_to_cpu("restored", identity=store.identity), exported)
+        next_prompt = loaded.token_ids.tolist() + SUFFIX
+        resumed = await client.generate(next_prompt, greedy("restored")).wait()
+        assert resumed.reused_prompt_tokens == loaded.position
+        assert resumed.generated_token_ids == await _cold(client, next_prompt)
 
 
 async def test_model_and_configuration_mismatches_are_rejected(worker_command, model_dir, tiny_model_factory, tmp_path):
