@@ -27,6 +27,7 @@ from typing import Iterable
 import trio
 
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 from .checkpoint import (
     DEFAULT_MAX_BYTES,
@@ -45,7 +46,6 @@ __all__ = ["SessionStore", "StorePermissionError"]
 
 SUFFIX = ".mxckpt"
 _NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
-_MAX_SESSION_ID_BYTES = 4096
 
 
 class StorePermissionError(CheckpointError):
@@ -60,8 +60,10 @@ def _session_hash(session_id: str) -> str:
         raw = session_id.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidArgument(f"session id {session_id!r} is not valid Unicode text") from None
-    if len(raw) > _MAX_SESSION_ID_BYTES:
-        raise InvalidArgument(f"session id is longer than {_MAX_SESSION_ID_BYTES} UTF-8 bytes")
+    # The wire's limit, so that every id the worker accepts can be saved and no saved id is one
+    # the worker would refuse to resume.
+    if len(raw) > MAX_SESSION_ID_BYTES:
+        raise InvalidArgument(f"session id is longer than {MAX_SESSION_ID_BYTES} UTF-8 bytes")
     return hashlib.sha256(raw).hexdigest()
 
 

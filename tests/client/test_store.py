@@ -23,6 +23,7 @@ from muxworker.client.checkpoint import (
 )
 from muxworker.client.store import SessionStore, StorePermissionError
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.schema import MAX_SESSION_ID_BYTES, validate
 
 CONFIG = {"backend": "torch", "dtype": "float32", "rope": None, "draft": None}
 
@@ -145,7 +146,7 @@ async def test_loosened_permissions_after_creation_are_caught_per_call(store):
 # Sessions
 
 
-WEIRD_IDS = ["a/b", "../../escape", "..", ".", "/etc/passwd", "con", "ü∂ 🙂", " ", "x" * 4000, "a\\b", "\n"]
+WEIRD_IDS = ["a/b", "../../escape", "..", ".", "/etc/passwd", "con", "ü∂ 🙂", " ", "x" * 1000, "a\\b", "\n"]
 
 
 async def test_any_session_id_maps_to_a_hashed_file_inside_the_directory(store):
@@ -161,11 +162,34 @@ async def test_any_session_id_maps_to_a_hashed_file_inside_the_directory(store):
     assert not (store.path.parent / "escape").exists()
 
 
-@pytest.mark.parametrize("sid", ["", None, 7, b"bytes", "\ud800", "x" * 4097])
+@pytest.mark.parametrize("sid", ["", None, 7, b"bytes", "\ud800", "x" * (MAX_SESSION_ID_BYTES + 1)])
 async def test_invalid_session_ids_are_invalid_arguments(store, sid):
     for call in (store.path_for, store.load, store.delete, lambda s: store.save(s, make_checkpoint())):
         with pytest.raises(InvalidArgument):
             call(sid)
+
+
+@pytest.mark.parametrize("unit", ["x", "ü", "🙂"])  # 1, 2 and 4 UTF-8 bytes
+async def test_the_store_accepts_exactly_the_session_ids_the_wire_accepts(store, unit):
+    # One limit for both ends: an id the worker takes can be saved, and a saved id can be resumed.
+    from muxworker.worker import engine
+
+    assert engine.MAX_SESSION_ID_BYTES == MAX_SESSION_ID_BYTES
+    n = MAX_SESSION_ID_BYTES // len(unit.encode())
+    for sid in (unit * n, unit * n + "x", unit * (n + 1)):
+        try:
+            validate({"kind": "open", "id": 1, "session_id": sid}, sender="client")
+        except InvalidArgument:
+            wire_accepts = False
+        else:
+            wire_accepts = True
+        try:
+            store.path_for(sid)
+        except InvalidArgument:
+            store_accepts = False
+        else:
+            store_accepts = True
+        assert store_accepts == wire_accepts == (len(sid.encode()) <= MAX_SESSION_ID_BYTES), len(sid.encode())
 
 
 async def test_bad_arguments_are_invalid(store):
