@@ -52,6 +52,8 @@ __all__ = [
     "CheckpointRetentionError",
     "CheckpointTooLarge",
     "CheckpointUnsafePath",
+    "CheckpointWriteError",
+    "CheckpointReadError",
     "DEFAULT_MAX_BYTES",
     "checkpoint_identity",
     "save_checkpoint",
@@ -94,6 +96,46 @@ class CheckpointUnsafePath(CheckpointError):
     """The path is a symlink, FIFO, directory or other non-regular file, so it is not read or replaced."""
 
 
+class _OSFailure(CheckpointError):
+    """Base of the errors that carry the operating system's reason."""
+
+    def __init__(self, message: str, *, reason: str = "os_error", errno: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason  # "disk_full", "read_only", "permission_denied", ... (see _REASONS)
+        self.errno = errno
+
+
+class CheckpointWriteError(_OSFailure):
+    """The system refused or failed a write (disk full, read-only, permission denied); earlier files stay."""
+
+
+class CheckpointReadError(_OSFailure):
+    """The system refused or failed a read of a checkpoint file (permission denied, I/O error)."""
+
+
+# errno -> (reason, what to tell the user). EPERM is what root gets from an immutable (chattr +i)
+# file or directory, so it reads as "permission denied" too.
+_REASONS: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("disk_full", "disk full"),
+    getattr(errno, "EDQUOT", -1): ("disk_full", "disk quota exceeded"),
+    errno.EFBIG: ("file_too_large", "file too large for the file system or the process's file size limit"),
+    errno.EROFS: ("read_only", "read-only file system"),
+    errno.EACCES: ("permission_denied", "permission denied"),
+    errno.EPERM: ("permission_denied", "permission denied (operation not permitted; an immutable file or directory?)"),
+    errno.ENOENT: ("not_found", "no such file or directory"),
+    errno.ENOTDIR: ("not_found", "a path component is not a directory"),
+    errno.EIO: ("io_error", "I/O error"),
+}
+
+
+def os_failure(cls: type[_OSFailure], exc: OSError, what: str, *, after: str = "") -> _OSFailure:
+    """``cls`` naming the reason of ``exc`` (a raw OSError never leaves this module's file calls)."""
+    reason, phrase = _REASONS.get(exc.errno or 0, ("os_error", "operating system error"))
+    code = errno.errorcode.get(exc.errno or 0)
+    detail = f"{code}: {exc.strerror}" if code and exc.strerror else str(exc)
+    return cls(f"{what}: {phrase} [{detail}]{after}", reason=reason, errno=exc.errno)
+
+
 # ----------------------------------------------------------------------------------------------
 # Identity
 
@@ -106,28 +148,39 @@ def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration:
     Blocking I/O: call it from a worker thread in async code.
     """
     if isinstance(model_files, (str, bytes, os.PathLike)):
-        raise TypeError("model_files must be a list of paths, not a single path")
+        raise InvalidArgument("model_files must be a list of paths, not a single path")
     if not isinstance(configuration, dict):
-        raise TypeError(f"configuration must be a dict, got {type(configuration).__name__}")
-    files = list(model_files)
-    config = json.dumps(
-        configuration, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    ).encode("ascii")
+        raise InvalidArgument(f"configuration must be a dict, got {type(configuration).__name__}")
+    try:
+        files = list(model_files)
+    except TypeError:
+        raise InvalidArgument(f"model_files must be a list of paths, got {type(model_files).__name__}") from None
+    try:
+        config = json.dumps(
+            configuration, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode("ascii")
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"configuration must be plain JSON data (no NaN or infinity): {e}") from None
     h = hashlib.sha256()
     h.update(b"muxworker-checkpoint-identity-v1\0")
     h.update(struct.pack("<Q", len(files)))
     buf = bytearray(2**20)
     view = memoryview(buf)
     for path in files:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            h.update(b"\0file\0" + struct.pack("<Q", size))
-            seen = 0
-            while n := f.readinto(buf):
-                h.update(view[:n])
-                seen += n
-            if seen != size:
-                raise OSError(f"{os.fspath(path)!r} changed size while it was being hashed")
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgument(f"model_files must hold paths, got {type(path).__name__} {path!r}")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(b"\0file\0" + struct.pack("<Q", size))
+                seen = 0
+                while n := f.readinto(buf):
+                    h.update(view[:n])
+                    seen += n
+        except OSError as e:
+            raise InvalidArgument(f"model file {os.fspath(path)!r} cannot be read: {e.strerror or e}") from None
+        if seen != size:
+            raise InvalidArgument(f"model file {os.fspath(path)!r} changed size while it was being hashed")
     h.update(b"\0configuration\0" + struct.pack("<Q", len(config)) + config)
     return h.hexdigest()
 
@@ -147,10 +200,14 @@ def save_checkpoint(
     """
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise os_failure(CheckpointWriteError, e, f"cannot save {path!r}: its directory cannot be opened") from None
     try:
         write_checkpoint_file(
-            checkpoint, dir_fd, name, temp_prefix=name, session_id=None, max_bytes=max_bytes
+            checkpoint, dir_fd, name, temp_prefix=name, session_id=None, max_bytes=max_bytes,
+            display=path,
         )
     finally:
         os.close(dir_fd)
@@ -268,18 +325,28 @@ def write_checkpoint_file(
     temp_prefix: str,
     session_id: str | None,
     max_bytes: int,
+    display: str | None = None,
 ) -> None:
     """Atomically replace ``name`` in the directory ``dir_fd`` with a checkpoint file.
 
     Writes ``.<temp_prefix>.<random>.tmp`` (O_EXCL, O_NOFOLLOW, mode 0600), fsyncs it, renames it
     over ``name`` and fsyncs the directory. On failure the temp file is removed when possible and
-    the previous ``name`` is untouched.
+    the previous ``name`` is untouched. A failure of the system (disk full, read-only file system,
+    permission denied, ...) raises :class:`CheckpointWriteError` naming it; ``display`` is how the
+    file is named in that message (default ``name``).
     """
     head, payloads, trailer = _encode(checkpoint, session_id, max_bytes)
-    _check_regular_or_absent(name, dir_fd)
-    temp = f".{temp_prefix}.{secrets.token_hex(8)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
+    what = f"cannot save {display or name!r}"
+    keep = "; the previous file, if any, is unchanged"
+    step = "checking the target"
+    try:
+        _check_regular_or_absent(name, dir_fd)
+        temp = f".{temp_prefix}.{secrets.token_hex(8)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        step = "creating its temporary file"
+        fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        raise os_failure(CheckpointWriteError, e, f"{what} ({step})", after=keep) from None
     try:
         try:
             buffers: list[memoryview | bytes] = [head]
@@ -289,19 +356,31 @@ def write_checkpoint_file(
                 buffers.append(view)
                 position = offset + view.nbytes
             buffers.append(trailer)
+            step = "writing"
             _write_all(fd, buffers)
+            step = "flushing it to disk"
             os.fsync(fd)
         finally:
             os.close(fd)
+        step = "checking the target"
         _check_regular_or_absent(name, dir_fd)
+        step = "renaming it over the previous file"
         os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(temp, dir_fd=dir_fd)
         except OSError:
-            pass
+            pass  # e.g. the file system went read-only; a stray .tmp is documented and harmless
+        if isinstance(exc, OSError):
+            raise os_failure(CheckpointWriteError, exc, f"{what} ({step})", after=keep) from None
         raise
-    os.fsync(dir_fd)
+    try:
+        os.fsync(dir_fd)
+    except OSError as e:
+        raise os_failure(
+            CheckpointWriteError, e, f"{what} (flushing the directory)",
+            after="; the new file replaced the previous one but may not survive a crash",
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +397,7 @@ def _open_regular(path: str, dir_fd: int | None) -> tuple[int, os.stat_result]:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EOPNOTSUPP):
             raise CheckpointUnsafePath(f"{path!r} is a symlink or not a regular file") from None
-        raise
+        raise os_failure(CheckpointReadError, e, f"cannot open {path!r}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -329,12 +408,15 @@ def _open_regular(path: str, dir_fd: int | None) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise os_failure(CheckpointReadError, e, f"cannot read byte {offset + done} of {path!r}") from None
         if n == 0:
-            raise CheckpointCorrupt(f"file ends early at byte {offset + done}")
+            raise CheckpointCorrupt(f"{path!r} ends early at byte {offset + done}")
         done += n
 
 
@@ -370,7 +452,7 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
     if size < _HEADER.size:
         raise CheckpointCorrupt(f"{path!r} is {size} bytes, too short for a checkpoint header")
     header = bytearray(_HEADER.size)
-    _read_exact(fd, memoryview(header), 0)
+    _read_exact(fd, memoryview(header), 0, path)
     magic, version, manifest_len = _HEADER.unpack(header)
     if magic != MAGIC:
         raise CheckpointCorrupt(f"{path!r} is not a muxworker checkpoint (bad magic)")
@@ -380,7 +462,7 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
             f"({size} bytes) or the {MAX_MANIFEST}-byte bound"
         )
     block = bytearray(manifest_len + _CRC.size)
-    _read_exact(fd, memoryview(block), _HEADER.size)
+    _read_exact(fd, memoryview(block), _HEADER.size, path)
     (stored,) = _CRC.unpack_from(block, manifest_len)
     head_crc = crc32c(memoryview(block)[:manifest_len], crc32c(header))
     if stored != head_crc:
@@ -483,7 +565,7 @@ def read_checkpoint_file(
                 )
         table = _payload_table(manifest, head_end, st.st_size, max_bytes, path)
         trailer = bytearray(_TRAILER.size)
-        _read_exact(fd, memoryview(trailer), st.st_size - _TRAILER.size)
+        _read_exact(fd, memoryview(trailer), st.st_size - _TRAILER.size, path)
         magic, length, trailer_head_crc, trailer_crc = _TRAILER.unpack(trailer)
         if (
             magic != TRAILER_MAGIC
@@ -506,7 +588,7 @@ def read_checkpoint_file(
         buffers = []
         for i, ((offset, length, expected_crc), start) in enumerate(zip(table, starts)):
             view = buffer[start : start + length]
-            _read_exact(fd, view, offset)
+            _read_exact(fd, view, offset, path)
             if crc32c(view) != expected_crc:
                 raise CheckpointCorrupt(f"{path!r}: payload {i} checksum mismatch")
             buffers.append(view)

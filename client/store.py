@@ -35,8 +35,11 @@ from .checkpoint import (
     CheckpointError,
     CheckpointIncompatible,
     CheckpointNotFound,
+    CheckpointReadError,
     CheckpointUnsafePath,
+    CheckpointWriteError,
     CPUCheckpoint,
+    os_failure,
     checkpoint_identity,
     read_checkpoint_file,
     write_checkpoint_file,
@@ -119,6 +122,10 @@ class SessionStore:
             os.mkdir(self.path, 0o700)
         except FileExistsError:
             pass
+        except OSError as e:
+            raise os_failure(
+                CheckpointWriteError, e, f"cannot create the store directory {str(self.path)!r}"
+            ) from None
         else:
             # mkdir's mode is masked by the umask; make it exactly 0700.
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -166,7 +173,9 @@ class SessionStore:
 
         A checkpoint without an identity is stamped with the store's; one with another identity
         raises :class:`CheckpointIncompatible`. Over ``max_bytes`` raises
-        :class:`CheckpointTooLarge`. On any failure the previous file stays loadable.
+        :class:`CheckpointTooLarge`; disk full, a read-only file system or denied permission raise
+        :class:`CheckpointWriteError` with that ``reason``. On any failure the previous file stays
+        loadable.
         """
         digest = _session_hash(session_id)
         if not isinstance(checkpoint, CPUCheckpoint):
@@ -186,6 +195,7 @@ class SessionStore:
                 temp_prefix=digest,
                 session_id=session_id,
                 max_bytes=self.max_bytes,
+                display=f"session {session_id!r} ({self.path / (digest + SUFFIX)})",
             )
         finally:
             os.close(dir_fd)
@@ -194,7 +204,8 @@ class SessionStore:
         """The verified checkpoint saved for ``session_id`` (host memory only).
 
         Raises :class:`CheckpointNotFound`, :class:`CheckpointCorrupt`,
-        :class:`CheckpointIncompatible`, :class:`CheckpointTooLarge` or :class:`CheckpointUnsafePath`.
+        :class:`CheckpointIncompatible`, :class:`CheckpointTooLarge`, :class:`CheckpointUnsafePath`
+        or :class:`CheckpointReadError` (the system refused or failed the read).
         """
         name = _session_hash(session_id) + SUFFIX
         try:
@@ -234,6 +245,10 @@ class SessionStore:
                 return False  # a concurrent delete won
             os.fsync(dir_fd)
             return True
+        except OSError as e:
+            raise os_failure(
+                CheckpointWriteError, e, f"cannot delete session {session_id!r} ({self.path / name})"
+            ) from None
         finally:
             os.close(dir_fd)
 
@@ -241,8 +256,12 @@ class SessionStore:
         """Session ids with a saved file, sorted; temp files and unreadable files are skipped."""
         dir_fd = self._open_dir()
         try:
+            try:
+                names = os.listdir(dir_fd)
+            except OSError as e:
+                raise os_failure(CheckpointReadError, e, f"cannot list {str(self.path)!r}") from None
             ids = []
-            for name in os.listdir(dir_fd):
+            for name in names:
                 if not _NAME.fullmatch(name):
                     continue
                 try:

@@ -149,7 +149,7 @@ def test_save_replaces_atomically_and_previous_survives_a_failed_rename(saved, m
         raise OSError("simulated crash before rename")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(ckfile.CheckpointWriteError, match="simulated"):
         save_checkpoint(ckpt, path)
     monkeypatch.undo()
     assert_same(other, load_checkpoint(path))
@@ -169,7 +169,8 @@ def test_missing_file_is_not_found(tmp_path):
 
 def test_error_classes_share_one_base_and_wire_code():
     for cls in (CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointTooLarge,
-                CheckpointUnsafePath, ckfile.CheckpointRetentionError):
+                CheckpointUnsafePath, ckfile.CheckpointRetentionError, ckfile.CheckpointWriteError,
+                ckfile.CheckpointReadError):
         assert issubclass(cls, CheckpointError)
         assert issubclass(cls, CheckpointRejected) and issubclass(cls, MuxError)
         assert cls.code == "checkpoint_rejected"
@@ -240,13 +241,19 @@ def _subdir(tmp_path, name):
 
 def test_identity_rejects_a_single_path_and_non_json_configuration(tmp_path):
     (a,) = _files(tmp_path, b"x")
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgument, match="single path"):
         checkpoint_identity(str(a), CONFIG)
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgument, match="list of paths"):
+        checkpoint_identity(7, CONFIG)
+    with pytest.raises(InvalidArgument, match="hold paths"):
+        checkpoint_identity([a, 7], CONFIG)
+    with pytest.raises(InvalidArgument, match="configuration must be a dict"):
         checkpoint_identity([a], [("backend", "torch")])
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument, match="NaN"):
         checkpoint_identity([a], {"x": float("nan")})
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InvalidArgument, match="JSON"):
+        checkpoint_identity([a], {"x": object()})
+    with pytest.raises(InvalidArgument, match="missing.*cannot be read"):
         checkpoint_identity([tmp_path / "missing"], CONFIG)
 
 
@@ -536,8 +543,8 @@ def test_a_file_changed_while_it_is_read_fails_its_checksum(saved, monkeypatch):
     real = ckfile._read_exact
     first_payload = layout(path.read_bytes())["payloads"][0][0]
 
-    def read_then_change(fd, view, offset):
-        real(fd, view, offset)
+    def read_then_change(fd, view, offset, path):
+        real(fd, view, offset, path)
         if offset == first_payload:  # as if the file changed under the read
             view[0] ^= 0xFF
 

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -16,7 +18,9 @@ from muxworker.client.checkpoint import (
     CheckpointIncompatible,
     CheckpointNotFound,
     CheckpointTooLarge,
+    CheckpointReadError,
     CheckpointUnsafePath,
+    CheckpointWriteError,
     CPUCheckpoint,
     LayerState,
     checkpoint_identity,
@@ -298,7 +302,7 @@ async def test_a_failed_rename_keeps_the_previous_file_and_removes_the_temp(stor
         raise OSError("simulated crash between temp write and replace")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointWriteError, match="simulated"):
         store.save("s", make_checkpoint(seed=2))
     monkeypatch.undo()
     assert_same(make_checkpoint(seed=1), store.load("s"))
@@ -384,3 +388,150 @@ async def test_concurrent_saves_from_threads_never_corrupt_the_file(store):
         assert_same(match[0], ckpt)
     assert leftovers(store) == []
     assert store.list() == ["s"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures of the system: named muxworker errors, never a raw OSError; the previous file stays
+
+
+def _failing(real, err: int, *, when=lambda *args, **kwargs: True):
+    def call(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+
+    return call
+
+
+def _creating(path, flags, *args, **kwargs) -> bool:
+    return bool(flags & os.O_CREAT)
+
+
+@pytest.mark.parametrize(
+    "call, err, reason, phrase",
+    [
+        ("writev", errno.ENOSPC, "disk_full", "disk full"),
+        ("writev", errno.EDQUOT, "disk_full", "disk quota exceeded"),
+        ("writev", errno.EFBIG, "file_too_large", "file too large"),
+        ("writev", errno.EIO, "io_error", "I/O error"),
+        ("open", errno.EACCES, "permission_denied", "permission denied"),
+        ("open", errno.EROFS, "read_only", "read-only file system"),
+        ("open", errno.ENOSPC, "disk_full", "disk full"),  # no inode left
+        ("fsync", errno.EIO, "io_error", "I/O error"),
+        ("replace", errno.EPERM, "permission_denied", "permission denied"),
+    ],
+)
+async def test_save_failures_name_their_reason_and_keep_the_previous_file(store, monkeypatch, call, err, reason, phrase):
+    store.save("s", make_checkpoint(seed=1))
+    real = getattr(os, call)
+    monkeypatch.setattr(os, call, _failing(real, err, when=_creating if call == "open" else lambda *a, **k: True))
+    with pytest.raises(CheckpointWriteError) as info:
+        store.save("s", make_checkpoint(seed=2))
+    monkeypatch.undo()
+    assert (info.value.reason, info.value.errno) == (reason, err)
+    message = str(info.value)
+    assert phrase in message and errno.errorcode[err] in message and "'s'" in message
+    assert "previous file" in message
+    assert not isinstance(info.value, OSError)
+    assert_same(make_checkpoint(seed=1), store.load("s"))
+    assert leftovers(store) == []
+
+
+async def test_read_and_delete_failures_name_their_reason(store, monkeypatch):
+    store.save("s", make_checkpoint(seed=1))
+    monkeypatch.setattr(os, "preadv", _failing(os.preadv, errno.EIO))
+    with pytest.raises(CheckpointReadError, match="I/O error") as info:
+        store.load("s")
+    assert info.value.reason == "io_error"
+    monkeypatch.undo()
+    regular = lambda path, flags, *a, **k: not flags & os.O_DIRECTORY  # noqa: E731
+    monkeypatch.setattr(os, "open", _failing(os.open, errno.EACCES, when=regular))
+    with pytest.raises(CheckpointReadError, match="permission denied"):
+        store.load("s")
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "unlink", _failing(os.unlink, errno.EROFS))
+    with pytest.raises(CheckpointWriteError, match="cannot delete session 's'.*read-only file system") as info:
+        store.delete("s")
+    assert info.value.reason == "read_only"
+    monkeypatch.undo()
+    assert_same(make_checkpoint(seed=1), store.load("s"))
+
+
+async def test_a_store_directory_that_cannot_be_created_names_the_reason(tmp_path, model_files, monkeypatch):
+    monkeypatch.setattr(os, "mkdir", _failing(os.mkdir, errno.EROFS))
+    with pytest.raises(CheckpointWriteError, match="cannot create the store directory.*read-only") as info:
+        await SessionStore.create(tmp_path / "new", model_files=model_files, configuration=CONFIG)
+    assert info.value.reason == "read_only"
+
+
+# Real failures. Tests run as root here, where chmod does not deny anything, so these use what does
+# bind root: a small tmpfs (full, then remounted read-only), the immutable attribute, RLIMIT_FSIZE.
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+async def test_a_full_disk_then_a_read_only_file_system_keep_the_previous_file(small_tmpfs, model_files):
+    store = await SessionStore.create(small_tmpfs / "sessions", model_files=model_files, configuration=CONFIG)
+    store.save("s", make_checkpoint(seed=1))
+    too_big = make_checkpoint(20_000, seed=2)  # about 1.3 MB on a 256 KiB file system
+    with pytest.raises(CheckpointWriteError, match="disk full") as info:
+        store.save("s", too_big)
+    assert info.value.reason == "disk_full"
+    assert_same(make_checkpoint(seed=1), store.load("s"))
+    assert leftovers(store) == []
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    try:
+        with pytest.raises(CheckpointWriteError, match="read-only file system") as info:
+            store.save("s", make_checkpoint(seed=3))
+        assert info.value.reason == "read_only"
+        with pytest.raises(CheckpointWriteError, match="read-only file system"):
+            store.delete("s")
+        assert_same(make_checkpoint(seed=1), store.load("s"))
+        assert store.list() == ["s"]
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=True)
+
+
+async def test_an_immutable_store_directory_is_permission_denied_and_keeps_the_previous_file(store):
+    store.save("s", make_checkpoint(seed=1))
+    done = subprocess.run(["chattr", "+i", str(store.path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"chattr +i is unavailable here: {done.stderr.strip()}")
+    try:
+        with pytest.raises(CheckpointWriteError, match="permission denied") as info:
+            store.save("s", make_checkpoint(seed=2))
+        assert info.value.reason == "permission_denied"
+        with pytest.raises(CheckpointWriteError, match="permission denied"):
+            store.delete("s")
+        assert_same(make_checkpoint(seed=1), store.load("s"))
+    finally:
+        subprocess.run(["chattr", "-i", str(store.path)], check=True)
+    assert leftovers(store) == []
+
+
+async def test_the_file_size_limit_is_file_too_large_and_keeps_the_previous_file(store):
+    store.save("s", make_checkpoint(seed=1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(CheckpointWriteError, match="file too large") as info:
+            store.save("s", make_checkpoint(20_000, seed=2))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert info.value.reason == "file_too_large"
+    assert_same(make_checkpoint(seed=1), store.load("s"))
+    assert leftovers(store) == []
