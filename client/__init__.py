@@ -19,7 +19,9 @@ from .checkpoint import (
     CheckpointNotFound,
     CheckpointRetentionError,
     CheckpointTooLarge,
+    CheckpointReadError,
     CheckpointUnsafePath,
+    CheckpointWriteError,
     CPUCheckpoint,
     checkpoint_identity,
     load_checkpoint,
@@ -52,7 +54,7 @@ from .errors import (
 )
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
 from .runtime import RuntimeStream, SessionRuntime
-from .store import SessionStore, StorePermissionError
+from .store import ConfigurationMismatch, SessionStore, StorePermissionError
 
 __all__ = [
     # client
@@ -99,4 +101,7 @@ __all__ = [
     "CheckpointRetentionError",
     "CheckpointTooLarge",
     "CheckpointUnsafePath",
+    "CheckpointWriteError",
+    "CheckpointReadError",
+    "ConfigurationMismatch",
 ]

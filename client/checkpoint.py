@@ -22,6 +22,7 @@ import os
 import secrets
 import stat
 import struct
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import msgpack
@@ -56,6 +57,9 @@ __all__ = [
     "CheckpointReadError",
     "DEFAULT_MAX_BYTES",
     "checkpoint_identity",
+    "checkpoint_identity_inputs",
+    "IdentityInputs",
+    "ModelFileFingerprint",
     "save_checkpoint",
     "load_checkpoint",
 ]
@@ -64,7 +68,8 @@ __all__ = [
 DEFAULT_MAX_BYTES = 16 * 2**30
 
 MAGIC = b"MUXCKPT\0"
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2 adds "identity_inputs" to the file manifest; version 1 files still load
+_READABLE_VERSIONS = (1, 2)
 TRAILER_MAGIC = b"MUXEND\0\0"
 ALIGN = 4096
 MAX_MANIFEST = 16 * 2**20
@@ -73,7 +78,8 @@ _HEADER = struct.Struct("<8sII")  # magic, version, manifest_len
 _CRC = struct.Struct("<I")
 _TRAILER = struct.Struct("<8sQII")  # magic, file length, header crc, crc of the 20 bytes before
 _ZEROS = bytes(ALIGN)
-_FILE_KEYS = {"session_id", "checkpoint", "payloads", "file_length"}
+_FILE_KEYS_V1 = {"session_id", "checkpoint", "payloads", "file_length"}
+_FILE_KEYS = {1: _FILE_KEYS_V1, 2: _FILE_KEYS_V1 | {"identity_inputs"}}
 
 
 class CheckpointNotFound(CheckpointError):
@@ -140,6 +146,85 @@ def os_failure(cls: type[_OSFailure], exc: OSError, what: str, *, after: str = "
 # Identity
 
 
+@dataclass(frozen=True)
+class ModelFileFingerprint:
+    """One model file as an identity saw it: its base name (paths do not count), size and CRC32C."""
+
+    name: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class IdentityInputs:
+    """What a checkpoint identity was computed from, kept so that a mismatch can say what differs.
+
+    The identity (a SHA-256) decides compatibility; these only explain a mismatch, so a CRC32C per
+    file is enough and costs nearly nothing next to the hash.
+    """
+
+    files: tuple[ModelFileFingerprint, ...]
+    configuration: dict[str, Any]  # canonical JSON data (what the identity hashed)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "files": [{"name": f.name, "size": f.size, "crc32c": f.crc32c} for f in self.files],
+            "configuration": self.configuration,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> IdentityInputs:
+        """Parse :meth:`to_wire`'s map; ``ValueError`` if it has another shape."""
+        if type(obj) is not dict or obj.keys() != {"files", "configuration"}:
+            raise ValueError("identity_inputs must be a map of files and configuration")
+        files, configuration = obj["files"], obj["configuration"]
+        if type(files) is not list or type(configuration) is not dict:
+            raise ValueError("identity_inputs.files must be a list and .configuration a map")
+        out = []
+        for f in files:
+            if (
+                type(f) is not dict
+                or f.keys() != {"name", "size", "crc32c"}
+                or type(f["name"]) is not str
+                or type(f["size"]) is not int
+                or type(f["crc32c"]) is not int
+            ):
+                raise ValueError("identity_inputs.files entries must be {name, size, crc32c}")
+            out.append(ModelFileFingerprint(f["name"], f["size"], f["crc32c"]))
+        return cls(tuple(out), configuration)
+
+    def differences(self, other: IdentityInputs, mine: str, theirs: str) -> list[str]:
+        """One line per differing input, e.g. ``dtype: store float32, file bfloat16``."""
+        out = []
+        for key in sorted(self.configuration.keys() | other.configuration.keys()):
+            a, b = self.configuration.get(key, _UNSET), other.configuration.get(key, _UNSET)
+            if a != b:
+                out.append(f"{key}: {mine} {_show(a)}, {theirs} {_show(b)}")
+        if len(self.files) != len(other.files):
+            out.append(
+                f"model files: {mine} {len(self.files)} ({', '.join(f.name for f in self.files)}), "
+                f"{theirs} {len(other.files)} ({', '.join(f.name for f in other.files)})"
+            )
+        for i, (a, b) in enumerate(zip(self.files, other.files)):
+            if (a.size, a.crc32c) != (b.size, b.crc32c):
+                name = a.name if a.name == b.name else f"{a.name} / {b.name}"
+                out.append(
+                    f"model file {i + 1} ({name}): {mine} {a.size} bytes, crc32c {a.crc32c:08x}; "
+                    f"{theirs} {b.size} bytes, crc32c {b.crc32c:08x}"
+                )
+        return out
+
+
+_UNSET = object()
+
+
+def _show(value: Any) -> str:
+    """A configuration value as a person writes it: strings bare, the rest as JSON."""
+    if value is _UNSET:
+        return "(not set)"
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
 def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration: dict) -> str:
     """SHA-256 hex digest binding checkpoints to model artifacts and activation-affecting settings.
 
@@ -147,6 +232,13 @@ def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration:
     not), then the canonical JSON of ``configuration`` (backend, dtype, RoPE, draft settings, ...).
     Blocking I/O: call it from a worker thread in async code.
     """
+    return checkpoint_identity_inputs(model_files, configuration)[0]
+
+
+def checkpoint_identity_inputs(
+    model_files: Iterable[str | os.PathLike], configuration: dict
+) -> tuple[str, IdentityInputs]:
+    """:func:`checkpoint_identity` and the :class:`IdentityInputs` it was computed from, in one pass."""
     if isinstance(model_files, (str, bytes, os.PathLike)):
         raise InvalidArgument("model_files must be a list of paths, not a single path")
     if not isinstance(configuration, dict):
@@ -166,6 +258,7 @@ def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration:
     h.update(struct.pack("<Q", len(files)))
     buf = bytearray(2**20)
     view = memoryview(buf)
+    fingerprints = []
     for path in files:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgument(f"model_files must hold paths, got {type(path).__name__} {path!r}")
@@ -173,16 +266,18 @@ def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(b"\0file\0" + struct.pack("<Q", size))
-                seen = 0
+                seen = crc = 0
                 while n := f.readinto(buf):
                     h.update(view[:n])
+                    crc = crc32c(view[:n], crc)
                     seen += n
         except OSError as e:
             raise InvalidArgument(f"model file {os.fspath(path)!r} cannot be read: {e.strerror or e}") from None
         if seen != size:
             raise InvalidArgument(f"model file {os.fspath(path)!r} changed size while it was being hashed")
+        fingerprints.append(ModelFileFingerprint(os.path.basename(os.fspath(path)), size, crc))
     h.update(b"\0configuration\0" + struct.pack("<Q", len(config)) + config)
-    return h.hexdigest()
+    return h.hexdigest(), IdentityInputs(tuple(fingerprints), json.loads(config))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,9 +285,16 @@ def checkpoint_identity(model_files: Iterable[str | os.PathLike], configuration:
 
 
 def save_checkpoint(
-    checkpoint: CPUCheckpoint, path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES
+    checkpoint: CPUCheckpoint,
+    path: str | os.PathLike,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    identity_inputs: IdentityInputs | None = None,
 ) -> None:
     """Atomically write ``checkpoint`` to ``path`` (temp file, fsync, rename, directory fsync).
+
+    ``identity_inputs`` (from :func:`checkpoint_identity_inputs`) are recorded in the file so that
+    loading it under another identity can say which model file or setting differs.
 
     Raises :class:`CheckpointTooLarge` before writing anything when its payloads exceed
     ``max_bytes``; :class:`CheckpointUnsafePath` when ``path`` is a symlink or non-regular file. On
@@ -207,7 +309,7 @@ def save_checkpoint(
     try:
         write_checkpoint_file(
             checkpoint, dir_fd, name, temp_prefix=name, session_id=None, max_bytes=max_bytes,
-            display=path,
+            display=path, identity_inputs=identity_inputs,
         )
     finally:
         os.close(dir_fd)
@@ -218,15 +320,18 @@ def load_checkpoint(
     *,
     expected_identity: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    expected_inputs: IdentityInputs | None = None,
 ) -> CPUCheckpoint:
     """Read and verify a checkpoint file into host memory (numpy only; no device state).
 
     Raises :class:`CheckpointNotFound`, :class:`CheckpointUnsafePath`, :class:`CheckpointCorrupt`,
-    :class:`CheckpointTooLarge`, or :class:`CheckpointIncompatible` (another file version or
-    layout, or an identity other than ``expected_identity`` when one is given).
+    :class:`CheckpointTooLarge`, :class:`CheckpointReadError`, or :class:`CheckpointIncompatible`
+    (another file version or layout, or an identity other than ``expected_identity`` when one is
+    given; with ``expected_inputs`` the error names each model file and setting that differs).
     """
     _, checkpoint = read_checkpoint_file(
-        os.fspath(path), expected_identity=expected_identity, max_bytes=max_bytes
+        os.fspath(path), expected_identity=expected_identity, max_bytes=max_bytes,
+        expected_inputs=expected_inputs,
     )
     return checkpoint
 
@@ -245,7 +350,7 @@ def _byte_view(array: np.ndarray) -> memoryview:
 
 
 def _encode(
-    checkpoint: CPUCheckpoint, session_id: str | None, max_bytes: int
+    checkpoint: CPUCheckpoint, session_id: str | None, max_bytes: int, inputs: IdentityInputs | None
 ) -> tuple[bytes, list[tuple[int, memoryview]], bytes]:
     """Header block, (offset, bytes) of each payload, trailer. Nothing is copied but the manifest."""
     if not isinstance(checkpoint, CPUCheckpoint):
@@ -277,6 +382,7 @@ def _encode(
                     for o, v, c in zip(offsets, views, crcs)
                 ],
                 "file_length": file_length,
+                "identity_inputs": None if inputs is None else inputs.to_wire(),
             },
             use_bin_type=True,
         )
@@ -326,6 +432,7 @@ def write_checkpoint_file(
     session_id: str | None,
     max_bytes: int,
     display: str | None = None,
+    identity_inputs: IdentityInputs | None = None,
 ) -> None:
     """Atomically replace ``name`` in the directory ``dir_fd`` with a checkpoint file.
 
@@ -335,7 +442,7 @@ def write_checkpoint_file(
     permission denied, ...) raises :class:`CheckpointWriteError` naming it; ``display`` is how the
     file is named in that message (default ``name``).
     """
-    head, payloads, trailer = _encode(checkpoint, session_id, max_bytes)
+    head, payloads, trailer = _encode(checkpoint, session_id, max_bytes, identity_inputs)
     what = f"cannot save {display or name!r}"
     keep = "; the previous file, if any, is unchanged"
     step = "checking the target"
@@ -469,9 +576,10 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
         raise CheckpointCorrupt(f"{path!r}: header/manifest checksum mismatch")
     # Checked after the CRC so that a damaged version field reads as corruption, a real newer
     # file as an incompatible one.
-    if version != FILE_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise CheckpointIncompatible(
-            f"{path!r} is checkpoint file version {version}; this build reads version {FILE_VERSION}"
+            f"{path!r} is checkpoint file version {version}; this build reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}"
         )
     try:
         manifest = msgpack.unpackb(
@@ -479,14 +587,21 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
         )
     except Exception as e:  # msgpack raises several types for damaged input
         raise CheckpointCorrupt(f"{path!r}: manifest is not valid msgpack ({e})") from None
+    keys = _FILE_KEYS[version]
     if not isinstance(manifest, dict):
-        raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(_FILE_KEYS)}")
+        raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(keys)}")
     _check_depth(manifest)
-    if manifest.keys() != _FILE_KEYS:
-        raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(_FILE_KEYS)}")
+    if manifest.keys() != keys:
+        raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(keys)}")
     session_id = manifest["session_id"]
     if session_id is not None and not isinstance(session_id, str):
         raise CheckpointCorrupt(f"{path!r}: manifest session_id must be a string or nil")
+    inputs = manifest.get("identity_inputs")  # absent from version 1 files
+    if inputs is not None:
+        try:
+            manifest["identity_inputs"] = IdentityInputs.from_wire(inputs)
+        except ValueError as e:
+            raise CheckpointCorrupt(f"{path!r}: {e}") from None
     return manifest, head_crc, _HEADER.size + manifest_len + _CRC.size
 
 
@@ -542,6 +657,32 @@ def _check_format_supported(wire: Any, path: str) -> None:
         )
 
 
+def _identity_mismatch(
+    path: str,
+    found: Any,
+    expected: str,
+    found_inputs: IdentityInputs | None,
+    expected_inputs: IdentityInputs | None,
+    label: str,
+) -> str:
+    """Say what differs when the inputs of both sides are known; otherwise what is known."""
+    head = f"{path!r} was saved for another model or configuration"
+    if found is None:
+        return f"{path!r} was saved without a model/configuration identity; {label} {expected!r}"
+    if found_inputs is not None and expected_inputs is not None:
+        differences = found_inputs.differences(expected_inputs, "file", label)
+        if differences:
+            return f"{head}: " + "; ".join(differences)
+    if found_inputs is not None:
+        files = ", ".join(f"{f.name} ({f.size} bytes)" for f in found_inputs.files)
+        return (
+            f"{head}: the file's configuration is {json.dumps(found_inputs.configuration, sort_keys=True)} "
+            f"with model files {files or '(none)'} (identity {found!r}, {label} {expected!r})"
+        )
+    # Files written before the inputs were recorded (file version 1) carry only the digest.
+    return f"{head}: identity {found!r}, {label} {expected!r} (the file does not record what it was made from)"
+
+
 def read_checkpoint_file(
     path: str,
     *,
@@ -549,8 +690,14 @@ def read_checkpoint_file(
     expected_identity: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     manifest_only: bool = False,
+    expected_inputs: IdentityInputs | None = None,
+    expected_label: str = "expected",
 ) -> tuple[str | None, CPUCheckpoint | None]:
-    """(session id, checkpoint) of a verified file; the checkpoint is None when ``manifest_only``."""
+    """(session id, checkpoint) of a verified file; the checkpoint is None when ``manifest_only``.
+
+    An identity other than ``expected_identity`` raises :class:`CheckpointIncompatible` naming what
+    differs between the file's recorded inputs and ``expected_inputs`` (called ``expected_label``).
+    """
     fd, st = _open_regular(path, dir_fd)
     try:
         manifest, head_crc, head_end = _read_manifest(fd, st, path)
@@ -560,8 +707,10 @@ def read_checkpoint_file(
             found = wire.get("identity") if isinstance(wire, dict) else None
             if found != expected_identity:
                 raise CheckpointIncompatible(
-                    f"{path!r} was saved for model/configuration identity {found!r}, "
-                    f"not {expected_identity!r}"
+                    _identity_mismatch(
+                        path, found, expected_identity, manifest.get("identity_inputs"),
+                        expected_inputs, expected_label,
+                    )
                 )
         table = _payload_table(manifest, head_end, st.st_size, max_bytes, path)
         trailer = bytearray(_TRAILER.size)

@@ -782,6 +782,8 @@ class MultiplexedWorkerClient:
     def _require_store(self) -> SessionStore:
         if self.session_store is None:
             raise InvalidArgument("this client has no session_store; pass one to spawn_multiplexed_worker")
+        if self.info is not None:  # what the worker says it runs must be what the store declares
+            self.session_store.check_worker(self.info)
         return self.session_store
 
     async def _export(self, session_id: str, position: int | None, identity: str | None) -> CPUCheckpoint:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import json
 import os
 import re
 import stat
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import trio
 
@@ -39,13 +40,17 @@ from .checkpoint import (
     CheckpointUnsafePath,
     CheckpointWriteError,
     CPUCheckpoint,
+    IdentityInputs,
+    checkpoint_identity_inputs,
     os_failure,
-    checkpoint_identity,
     read_checkpoint_file,
     write_checkpoint_file,
 )
 
-__all__ = ["SessionStore", "StorePermissionError"]
+if TYPE_CHECKING:
+    from .params import WorkerInfo
+
+__all__ = ["SessionStore", "StorePermissionError", "ConfigurationMismatch"]
 
 SUFFIX = ".mxckpt"
 _NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
@@ -54,6 +59,26 @@ _NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
 class StorePermissionError(CheckpointError):
     """The store directory is missing, a symlink, not a directory, not owned by this user, or
     writable by group or others."""
+
+
+class ConfigurationMismatch(CheckpointIncompatible):
+    """The worker (or a checkpoint) does not run the configuration the store was created with."""
+
+
+# Configuration keys the worker's hello reports, and where. Keys it does not report (rope, ...)
+# are bound by the identity alone; the engine limits (info.limits) are matched by their own names.
+_WORKER_FACTS = {
+    "backend": lambda info: info.backend,
+    "dtype": lambda info: info.dtype,
+    "device": lambda info: info.device,
+    "architecture": lambda info: info.model.architecture,
+    "vocab_size": lambda info: info.model.vocab_size,
+    "context_length": lambda info: info.model.context_length,
+}
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 def _session_hash(session_id: str) -> str:
@@ -76,19 +101,35 @@ class SessionStore:
     ``identity`` is :func:`checkpoint_identity` of the worker's model files and configuration; a
     file saved under another identity raises :class:`CheckpointIncompatible` on load. ``max_bytes``
     bounds a checkpoint's payload bytes on save (the previous file stays) and on load.
+    ``inputs`` (what :meth:`create` passes) are what the identity was computed from: saved files
+    record them, so a mismatch names the differing file or setting, and :meth:`check_worker`
+    compares the declared configuration with what a worker reports.
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, identity: str, max_bytes: int = DEFAULT_MAX_BYTES
+        self,
+        path: str | os.PathLike,
+        *,
+        identity: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        inputs: IdentityInputs | None = None,
     ) -> None:
         if not isinstance(identity, str) or not identity:
             raise InvalidArgument("identity must be a nonempty string")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise InvalidArgument(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        if inputs is not None and not isinstance(inputs, IdentityInputs):
+            raise InvalidArgument(f"inputs must be IdentityInputs or None, got {type(inputs).__name__}")
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.identity = identity
         self.max_bytes = max_bytes
+        self.inputs = inputs
         self._prepare_directory()
+
+    @property
+    def configuration(self) -> dict[str, Any] | None:
+        """The configuration the store was created with (canonical JSON data), if known."""
+        return None if self.inputs is None else self.inputs.configuration
 
     @classmethod
     async def create(
@@ -106,8 +147,8 @@ class SessionStore:
         """
 
         def build() -> SessionStore:
-            identity = checkpoint_identity(model_files, configuration)
-            return cls(path, identity=identity, max_bytes=max_bytes)
+            identity, inputs = checkpoint_identity_inputs(model_files, configuration)
+            return cls(path, identity=identity, max_bytes=max_bytes, inputs=inputs)
 
         return await trio.to_thread.run_sync(build)
 
@@ -162,6 +203,64 @@ class SessionStore:
             raise
         return fd
 
+    # -- what the worker runs -------------------------------------------------------------------
+
+    def check_worker(self, info: WorkerInfo) -> None:
+        """Refuse a worker that does not run what this store's configuration declares.
+
+        Compares each declared key that the worker's hello reports: ``backend``, ``dtype``,
+        ``device`` (``cuda`` matches ``cuda:0``), the model's ``architecture``, ``vocab_size`` and
+        ``context_length``, every engine limit by name (``max_session_tokens``, ``n_draft``, ...),
+        and ``draft`` as present or absent. Undeclared keys, and keys the hello does not report,
+        are not compared (the model files' bytes are bound by the identity). A store made without
+        ``inputs`` declares nothing. Raises :class:`ConfigurationMismatch` naming every differing
+        field, e.g. ``dtype: store float32, worker bfloat16``.
+        """
+        config = self.configuration
+        if not config:
+            return
+        differences = []
+        for key, declared in sorted(config.items()):
+            if key in _WORKER_FACTS:
+                actual = _WORKER_FACTS[key](info)
+                if key == "device" and isinstance(actual, str) and actual.startswith(f"{declared}:"):
+                    continue
+            elif key == "draft" and "n_draft" in info.limits:
+                # The hello reports the draft through its n_draft (0: none); the draft's name is
+                # bound by its files in the identity.
+                has_draft = bool(info.limits["n_draft"])
+                if has_draft != (declared is not None):
+                    differences.append(
+                        f"draft: store {_show(declared)}, worker "
+                        + (f"a draft model (n_draft {info.limits['n_draft']})" if has_draft else "none")
+                    )
+                continue
+            elif key in info.limits:
+                actual = info.limits[key]
+            else:
+                continue
+            if actual != declared:
+                differences.append(f"{key}: store {_show(declared)}, worker {_show(actual)}")
+        if differences:
+            raise ConfigurationMismatch(
+                f"the worker does not run what the session store {str(self.path)!r} declares: "
+                + "; ".join(differences)
+            )
+
+    def _check_format(self, checkpoint: CPUCheckpoint) -> None:
+        """A checkpoint's own dtype and backend must be the declared ones (it was made by the worker)."""
+        config = self.configuration or {}
+        differences = [
+            f"{key}: store {_show(config[key])}, checkpoint {_show(checkpoint.format.get(key))}"
+            for key in ("dtype", "backend")
+            if key in config and checkpoint.format.get(key) != config[key]
+        ]
+        if differences:
+            raise ConfigurationMismatch(
+                f"the checkpoint was not made by the configuration the session store "
+                f"{str(self.path)!r} declares: " + "; ".join(differences)
+            )
+
     # -- sessions --------------------------------------------------------------------------------
 
     def path_for(self, session_id: str) -> Path:
@@ -186,6 +285,7 @@ class SessionStore:
             raise CheckpointIncompatible(
                 f"checkpoint identity {checkpoint.identity!r} is not this store's {self.identity!r}"
             )
+        self._check_format(checkpoint)
         dir_fd = self._open_dir()
         try:
             write_checkpoint_file(
@@ -196,6 +296,7 @@ class SessionStore:
                 session_id=session_id,
                 max_bytes=self.max_bytes,
                 display=f"session {session_id!r} ({self.path / (digest + SUFFIX)})",
+                identity_inputs=self.inputs,
             )
         finally:
             os.close(dir_fd)
@@ -216,7 +317,8 @@ class SessionStore:
             raise
         try:
             found, checkpoint = read_checkpoint_file(
-                name, dir_fd=dir_fd, expected_identity=self.identity, max_bytes=self.max_bytes
+                name, dir_fd=dir_fd, expected_identity=self.identity, max_bytes=self.max_bytes,
+                expected_inputs=self.inputs, expected_label="store",
             )
         except CheckpointNotFound:
             raise CheckpointNotFound(f"no saved checkpoint for session {session_id!r}") from None
@@ -226,6 +328,7 @@ class SessionStore:
             raise CheckpointCorrupt(
                 f"{name} holds session {found!r}, not {session_id!r}; the file was renamed or copied"
             )
+        self._check_format(checkpoint)  # files saved before save() checked it
         return checkpoint  # type: ignore[return-value]  # not manifest_only, so never None
 
     def delete(self, session_id: str) -> bool:

@@ -82,7 +82,7 @@ def assert_same(a: CPUCheckpoint, b: CPUCheckpoint) -> None:
 def layout(data: bytes) -> dict:
     """The file's regions, parsed independently of the loader (per docs/CHECKPOINT_FORMAT.md)."""
     magic, version, manifest_len = struct.unpack_from("<8sII", data, 0)
-    assert (magic, version) == (b"MUXCKPT\0", 1)
+    assert (magic, version) == (b"MUXCKPT\0", 2)
     manifest = msgpack.unpackb(data[16 : 16 + manifest_len])
     head_end = 16 + manifest_len + 4
     payloads = [(p["offset"], p["length"]) for p in manifest["payloads"]]
@@ -358,15 +358,23 @@ def test_appended_bytes_are_corrupt(saved):
         load_checkpoint(path)
 
 
-def _rewrite_header(path, manifest_obj=None, *, version=1, manifest_bytes=None, manifest_len=None):
-    """Rebuild the header and its CRC around a chosen manifest; keep everything after it."""
+def _rewrite_header(path, manifest_obj=None, *, version=2, manifest_bytes=None, manifest_len=None,
+                    keep_offsets=False):
+    """Rebuild the header and its CRC around a chosen manifest; keep everything after it (with
+    ``keep_offsets``, keep the payloads where they were, re-padding the header block)."""
     data = path.read_bytes()
     old_len = struct.unpack_from("<I", data, 12)[0]
     rest = data[16 + old_len + 4 :]
     body = manifest_bytes if manifest_bytes is not None else msgpack.packb(manifest_obj)
     length = len(body) if manifest_len is None else manifest_len
     head = struct.pack("<8sII", b"MUXCKPT\0", version, length) + body
-    path.write_bytes(head + struct.pack("<I", crc32c(head)) + rest)
+    head += struct.pack("<I", crc32c(head))
+    if keep_offsets:  # and a trailer that names the new header CRC
+        first = manifest_obj["payloads"][0]["offset"]
+        assert len(head) <= first
+        trailer = struct.pack("<8sQI", b"MUXEND\0\0", len(data), crc32c(head[:-4]))
+        head, rest = head + bytes(first - len(head)), data[first:-24] + trailer + struct.pack("<I", crc32c(trailer))
+    path.write_bytes(head + rest)
 
 
 def test_a_valid_checksum_over_a_huge_declared_payload_allocates_nothing(saved):
@@ -429,9 +437,35 @@ def test_inconsistent_checkpoint_manifest_with_valid_checksums_is_corrupt(saved)
 def test_a_newer_file_version_is_incompatible_not_corrupt(saved):
     _, path = saved
     manifest = layout(path.read_bytes())["manifest_obj"]
-    _rewrite_header(path, manifest, version=2)
-    with pytest.raises(CheckpointIncompatible, match="version 2"):
+    _rewrite_header(path, manifest, version=3)
+    with pytest.raises(CheckpointIncompatible, match="version 3"):
         load_checkpoint(path)
+
+
+def test_a_version_1_file_without_identity_inputs_still_loads(saved):
+    ckpt, path = saved
+    manifest = layout(path.read_bytes())["manifest_obj"]
+    assert manifest.pop("identity_inputs") is None  # save_checkpoint was given none
+    _rewrite_header(path, manifest, version=1, keep_offsets=True)
+    assert_same(ckpt, load_checkpoint(path, expected_identity="model-a"))
+    with pytest.raises(CheckpointIncompatible, match="does not record what it was made from"):
+        load_checkpoint(path, expected_identity="model-b")
+    # ... but version 1 never had the field, and version 2 has it always.
+    _rewrite_header(path, {**manifest, "identity_inputs": None}, version=1, keep_offsets=True)
+    with pytest.raises(CheckpointCorrupt, match="fields"):
+        load_checkpoint(path)
+    _rewrite_header(path, manifest, version=2, keep_offsets=True)
+    with pytest.raises(CheckpointCorrupt, match="fields"):
+        load_checkpoint(path)
+
+
+def test_malformed_identity_inputs_are_corrupt(saved):
+    _, path = saved
+    manifest = layout(path.read_bytes())["manifest_obj"]
+    for bad in ({"files": []}, {"files": [{"name": "a"}], "configuration": {}}, [1], "x"):
+        _rewrite_header(path, {**manifest, "identity_inputs": bad}, keep_offsets=True)
+        with pytest.raises(CheckpointCorrupt, match="identity_inputs"):
+            load_checkpoint(path)
 
 
 def test_a_newer_kv_layout_is_incompatible(saved):

@@ -15,6 +15,7 @@ from muxworker.client import (
     CheckpointIncompatible,
     CheckpointNotFound,
     CheckpointRejected,
+    ConfigurationMismatch,
     CPUCheckpoint,
     GenerationParams,
     SessionExists,
@@ -169,6 +170,56 @@ async def test_model_and_configuration_mismatches_are_rejected(worker_command, m
         with pytest.raises(CheckpointRejected, match="geometry"):
             await client.restore_checkpoint_from_cpu(checkpoint, "chat")
         await client.open_session("chat")
+
+
+async def test_a_worker_running_another_dtype_than_the_store_declares_is_refused(model_dir, tmp_path):
+    # The store says float32; the worker runs bfloat16. Before, the save went through and the
+    # store held a bfloat16 file under a float32 identity.
+    store = await _store(tmp_path / "store", model_dir)
+    bf16 = default_worker_command(model_dir, max_sessions=8, max_session_tokens=512, dtype="bfloat16")
+    async with spawn_multiplexed_worker(bf16, session_store=store) as client:
+        assert client.info.dtype == "bfloat16"
+        await client.open_session("chat")
+        await client.generate(PROMPT, greedy("chat")).wait()
+        with pytest.raises(ConfigurationMismatch, match=r"dtype: store float32, worker bfloat16$"):
+            await client.save_session("chat")
+        with pytest.raises(ConfigurationMismatch, match="dtype: store float32, worker bfloat16"):
+            await client.resume_session("chat")
+        # The advanced path into the store is refused by the checkpoint's own dtype.
+        checkpoint = await client.export_checkpoint_to_cpu("chat", identity=store.identity)
+        with pytest.raises(ConfigurationMismatch, match="dtype: store float32, checkpoint bfloat16"):
+            await trio.to_thread.run_sync(store.save, "chat", checkpoint)
+    assert await trio.to_thread.run_sync(store.list) == []
+    # Every declared field the hello reports is compared, and all that differ are named.
+    wide = await _store(tmp_path / "wide", model_dir, max_sessions=4, architecture="mistral")
+    with pytest.raises(ConfigurationMismatch) as info:
+        wide.check_worker(client.info)
+    assert str(info.value).endswith(
+        f"architecture: store mistral, worker {client.info.model.architecture}; "
+        "dtype: store float32, worker bfloat16; max_sessions: store 4, worker 8"
+    )  # max_session_tokens was declared too, and agrees
+
+
+async def test_a_file_from_another_configuration_names_what_differs(worker_command, model_dir, tmp_path):
+    store = await _store(tmp_path / "store", model_dir)
+    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+        await client.open_session("chat")
+        await client.generate(PROMPT, greedy("chat")).wait()
+        await client.save_session("chat")
+    # The same directory opened for another setting and another tokenizer file: the error says so,
+    # not just that two digests differ.
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_bytes((model_dir / "tokenizer.json").read_bytes() + b" ")
+    other = await SessionStore.create(
+        tmp_path / "store", model_files=[model_dir / "model.safetensors", tokenizer],
+        configuration=_configuration(rope_theta=500000.0),
+    )
+    with pytest.raises(CheckpointIncompatible) as info:
+        await trio.to_thread.run_sync(other.load, "chat")
+    message = str(info.value)
+    assert "rope_theta: file (not set), store 500000.0" in message
+    assert "model file 2 (tokenizer.json): file " in message
+    assert "model file 1" not in message  # the weights are the same
 
 
 async def test_unsaveable_and_busy_sessions(worker_command, model_dir, tmp_path):
