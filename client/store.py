@@ -279,13 +279,13 @@ class SessionStore:
         digest = _session_hash(session_id)
         if not isinstance(checkpoint, CPUCheckpoint):
             raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
+        self._check_format(checkpoint)  # first: it can name what differs, two digests cannot
         if checkpoint.identity is None:
             checkpoint = dataclasses.replace(checkpoint, identity=self.identity)
         elif checkpoint.identity != self.identity:
             raise CheckpointIncompatible(
                 f"checkpoint identity {checkpoint.identity!r} is not this store's {self.identity!r}"
             )
-        self._check_format(checkpoint)
         dir_fd = self._open_dir()
         try:
             write_checkpoint_file(

@@ -25,7 +25,9 @@ from muxworker.client.checkpoint import (
     LayerState,
     checkpoint_identity,
 )
-from muxworker.client.store import SessionStore, StorePermissionError
+from muxworker.client.params import ModelInfo, WorkerInfo
+from muxworker.client.store import ConfigurationMismatch, SessionStore, StorePermissionError
+from muxworker.native import crc32c
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES, validate
 
@@ -250,15 +252,82 @@ async def test_a_file_copied_under_another_session_name_is_corrupt(store):
     assert store.list() == ["a"]
 
 
-async def test_identity_mismatch_is_incompatible(tmp_path, store, model_files):
+async def test_identity_mismatch_is_incompatible_and_names_what_differs(tmp_path, store, model_files):
     store.save("s", make_checkpoint())
+    weights, tokenizer = (f.read_bytes() for f in model_files)
     model_files[0].write_bytes(os.urandom(4096))  # new weights, same directory
     retrained = await SessionStore.create(store.path, model_files=model_files, configuration=CONFIG)
-    with pytest.raises(CheckpointIncompatible):
+    with pytest.raises(CheckpointIncompatible) as info:
         retrained.load("s")
+    assert str(info.value).endswith(
+        f"model file 1 (model.safetensors): file 4096 bytes, crc32c {crc32c(weights):08x}; "
+        f"store 4096 bytes, crc32c {crc32c(model_files[0].read_bytes()):08x}"
+    )
     with pytest.raises(CheckpointIncompatible):
         retrained.save("s", make_checkpoint(identity=store.identity))
     assert_same(make_checkpoint(), store.load("s"))
+    reconfigured = await SessionStore.create(
+        store.path, model_files=model_files[1:], configuration={**CONFIG, "rope": {"theta": 1e6}}
+    )
+    with pytest.raises(CheckpointIncompatible) as info:
+        reconfigured.load("s")
+    assert str(info.value).endswith(
+        'rope: file null, store {"theta": 1000000.0}; '
+        "model files: file 2 (model.safetensors, tokenizer.json), store 1 (tokenizer.json); "
+        f"model file 1 (model.safetensors / tokenizer.json): file 4096 bytes, crc32c {crc32c(weights):08x}; "
+        f"store {len(tokenizer)} bytes, crc32c {crc32c(tokenizer):08x}"
+    )
+
+
+def _worker_info(**overrides) -> WorkerInfo:
+    limits = {"max_sessions": 8, "max_session_tokens": 512, "n_draft": 0, **overrides.pop("limits", {})}
+    model = ModelInfo(name="tiny", architecture="llama", vocab_size=300, context_length=2048, has_chat_template=False)
+    fields = {"protocol": (1, 0), "model": model, "backend": "torch", "device": "cpu", "dtype": "float32",
+              "limits": limits, **overrides}
+    return WorkerInfo(**fields)
+
+
+async def test_check_worker_names_every_declared_field_the_worker_contradicts(tmp_path, model_files):
+    async def store_with(**config):
+        return await SessionStore.create(tmp_path / "s", model_files=model_files, configuration=config)
+
+    agreeing = await store_with(**CONFIG, device="cpu", max_session_tokens=512, n_draft=0, architecture="llama")
+    agreeing.check_worker(_worker_info())
+    (await store_with(device="cuda")).check_worker(_worker_info(device="cuda:1"))  # any cuda device
+    # Keys the hello does not report (rope here) are the identity's business alone.
+    (await store_with(rope={"theta": 1.0}, anything="else")).check_worker(_worker_info())
+    with pytest.raises(ConfigurationMismatch) as info:
+        (await store_with(**CONFIG, max_session_tokens=4096, vocab_size=300)).check_worker(
+            _worker_info(dtype="bfloat16", backend="mlx")
+        )
+    assert str(info.value).endswith(
+        "backend: store torch, worker mlx; dtype: store float32, worker bfloat16; "
+        "max_session_tokens: store 4096, worker 512"
+    )
+    assert isinstance(info.value, CheckpointIncompatible)
+    with pytest.raises(ConfigurationMismatch, match=r"draft: store null, worker a draft model \(n_draft 4\)"):
+        (await store_with(draft=None)).check_worker(_worker_info(limits={"n_draft": 4}))
+    with pytest.raises(ConfigurationMismatch, match="draft: store tiny-draft, worker none"):
+        (await store_with(draft="tiny-draft")).check_worker(_worker_info())
+    # A store made from a bare identity declares nothing to compare.
+    SessionStore(tmp_path / "bare", identity=agreeing.identity).check_worker(_worker_info(dtype="bfloat16"))
+
+
+async def test_save_and_load_refuse_a_checkpoint_of_another_dtype_than_declared(store, tmp_path):
+    import dataclasses
+
+    other = make_checkpoint()
+    other = dataclasses.replace(
+        other, format={**other.format, "dtype": "float16"},
+        layers=[LayerState(0, x.keys.astype(np.float16), x.values.astype(np.float16)) for x in other.layers],
+    )
+    with pytest.raises(ConfigurationMismatch, match="dtype: store float32, checkpoint float16"):
+        store.save("s", other)
+    assert store.list() == []
+    # A file written before save() checked it (here: through a store that declared no dtype).
+    SessionStore(store.path, identity=store.identity).save("s", other)
+    with pytest.raises(ConfigurationMismatch, match="dtype: store float32, checkpoint float16"):
+        store.load("s")
 
 
 async def test_symlinks_and_fifos_in_the_store_are_refused(store, tmp_path):
