@@ -1,4 +1,4 @@
-"""cffi (API mode) build script for the CRC32C extension, run by setuptools at install time."""
+"""cffi (API mode) build script for the native extension (CRC32C, finiteness checks), run by setuptools at install time."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,8 @@ ffibuilder.cdef(
     uint32_t mux_crc32c(uint32_t crc, const unsigned char *buf, size_t len);
     uint32_t mux_crc32c_sw(uint32_t crc, const unsigned char *buf, size_t len);
     int mux_crc32c_hw_available(void);
+    int mux_all_finite16(const uint16_t *bits, size_t n, uint16_t exp_mask);
+    int mux_all_finite32(const uint32_t *bits, size_t n);
     """
 )
 
@@ -25,8 +27,10 @@ if _machine in ("x86_64", "amd64"):
 elif _machine in ("aarch64", "arm64"):
     _extra_compile_args.append("-march=armv8-a+crc")
 
-with open(os.path.join(_HERE, "crc32c.c"), encoding="utf-8") as _f:
-    _source = _f.read()
+_source = ""
+for _name in ("crc32c.c", "finite.c"):  # one extension module, two sources
+    with open(os.path.join(_HERE, _name), encoding="utf-8") as _f:
+        _source += _f.read() + "\n"
 
 ffibuilder.set_source(
     "muxworker.native._crc32c",
