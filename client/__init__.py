@@ -52,6 +52,8 @@ from .errors import (
     WorkerDiedError,
     WorkerStartupError,
 )
+from muxworker.transport.prompt import SpecialText
+
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
 from .runtime import RuntimeStream, SessionRuntime
 from .store import ConfigurationMismatch, SessionStore, StorePermissionError
@@ -67,6 +69,7 @@ __all__ = [
     "GenerationParams",
     "GenerationResult",
     "ChatPrompt",
+    "SpecialText",
     "WorkerInfo",
     "ModelInfo",
     # errors

@@ -37,6 +37,7 @@ from muxworker.transport.checkpoint import CPUCheckpoint, checkpoint_from_wire, 
 from muxworker.transport.errors import InvalidArgument, MuxError, ProtocolError, error_from_wire
 from muxworker.transport.fdio import make_pipe, worker_fd_args
 from muxworker.transport.framing import Frame, attach_payload, payload_array
+from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import check_hello, validate
 from muxworker.transport.trio_stream import TrioFrameReader, TrioFrameWriter
 
@@ -709,8 +710,15 @@ class MultiplexedWorkerClient:
         )
         return GenerationStream(self, request, session_id)
 
-    async def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        ids, _ = await self._call("tokenize", {"text": text, "add_special_tokens": add_special_tokens}, expect="tokens")
+    async def tokenize(self, text: str, *, add_special_tokens: bool = False, parse_special: bool | None = None) -> list[int]:
+        """Token ids of ``text``. Special-token markers in it are parsed only with ``parse_special``
+        (default: when ``text`` is a :class:`SpecialText`), as in prompts."""
+        if parse_special is None:
+            parse_special = isinstance(text, SpecialText)
+        fields = {"text": str(text) if isinstance(text, str) else text, "add_special_tokens": add_special_tokens}
+        if parse_special:
+            fields["parse_special"] = True
+        ids, _ = await self._call("tokenize", fields, expect="tokens")
         return ids
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -844,17 +852,7 @@ def _parse_reply(frame: Frame) -> Any:
 
 def _parse_result(frame: Frame) -> GenerationResult:
     r = frame.control["result"]
-    ids = payload_array(frame, r["generated_token_ids"]).tolist()
-    return GenerationResult(
-        finish_reason=str(r["finish_reason"]),
-        prompt_tokens=int(r["prompt_tokens"]),
-        reused_prompt_tokens=int(r["reused_prompt_tokens"]),
-        prefilled_prompt_tokens=int(r["prefilled_prompt_tokens"]),
-        completion_tokens=int(r["completion_tokens"]),
-        generated_token_ids=ids,
-        prefill_time_s=float(r["prefill_time_s"]),
-        decode_time_s=float(r["decode_time_s"]),
-    )
+    return GenerationResult.from_wire(r, payload_array(frame, r["generated_token_ids"]).tolist())
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -874,9 +872,14 @@ def _token_array(ids: Any) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+def _text_segment(text: str) -> dict[str, Any]:
+    # Plain text never yields special tokens; SpecialText opts in (transport/prompt.py).
+    return {"text": str(text), "special": True} if isinstance(text, SpecialText) else {"text": text}
+
+
 def _prompt_segments(prompt: Any, payloads: list[Any]) -> list[dict[str, Any]]:
     if isinstance(prompt, str):
-        return [{"text": prompt}]
+        return [_text_segment(prompt)]
     if _is_token_ids(prompt):
         return [{"tokens": attach_payload(payloads, _token_array(prompt))}]
     if not isinstance(prompt, (list, tuple)):
@@ -884,7 +887,7 @@ def _prompt_segments(prompt: Any, payloads: list[Any]) -> list[dict[str, Any]]:
     segments: list[dict[str, Any]] = []
     for i, segment in enumerate(prompt):
         if isinstance(segment, str):
-            segments.append({"text": segment})
+            segments.append(_text_segment(segment))
         elif _is_token_ids(segment):
             segments.append({"tokens": attach_payload(payloads, _token_array(segment))})
         else:

@@ -1,11 +1,15 @@
 """What a generation asks for (``GenerationParams``) and what it returns (``GenerationResult``)."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.sampling import SamplingFields
+
+_D = SamplingFields()  # the one definition of every sampling default (transport/sampling.py)
 
 __all__ = ["GenerationParams", "GenerationResult", "ChatPrompt", "WorkerInfo", "ModelInfo"]
 
@@ -14,20 +18,25 @@ __all__ = ["GenerationParams", "GenerationResult", "ChatPrompt", "WorkerInfo", "
 class GenerationParams:
     """Sampling parameters of one generation. Any object with these attributes works as well
     (``types.SimpleNamespace(session_id=..., max_new_tokens=...)``); missing ones take these defaults,
-    which are the worker's own."""
+    which are the worker's own (both come from transport/sampling.py, where the ranges and the
+    meaning of each field are documented)."""
 
     session_id: str
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    seed: int | None = None
+    max_new_tokens: int = _D.max_new_tokens
+    temperature: float = _D.temperature  # below TEMPERATURE_FLOOR (1e-5): greedy
+    top_p: float = _D.top_p
+    top_k: int = _D.top_k  # 0: no top-k filter
+    min_p: float = _D.min_p  # 0: no min-p filter
+    repetition_penalty: float = _D.repetition_penalty  # 1: off
+    presence_penalty: float = _D.presence_penalty  # 0: off
+    frequency_penalty: float = _D.frequency_penalty  # 0: off
+    seed: int | None = _D.seed
     stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] | None = None  # None: the model's EOS tokens
+    stop_token_ids: Sequence[int] | None = _D.stop_token_ids  # None: the model's EOS tokens
 
 
 _INT_FIELDS = ("max_new_tokens", "top_k")
-_FLOAT_FIELDS = ("temperature", "top_p")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
@@ -73,11 +82,35 @@ class GenerationResult:
     generated_token_ids: list[int]
     prefill_time_s: float
     decode_time_s: float
+    # Generated tokens the session's history kept: all of them, except after a stop-string cut
+    # (only those whose text is visible) or a cancel during prefill (none).
+    committed_tokens: int = 0
+    draft_proposed_tokens: int = 0  # speculative decoding: tokens the draft proposed
+    draft_accepted_tokens: int = 0  # of those, tokens the target accepted
 
     @classmethod
     def cancelled_locally(cls) -> GenerationResult:
         """The result of a request cancelled before it was sent: the worker never saw it."""
         return cls("cancelled", 0, 0, 0, 0, [], 0.0, 0.0)
+
+    @classmethod
+    def from_wire(cls, result: dict, generated_token_ids: list[int]) -> GenerationResult:
+        """From a ``done`` frame's result map: every field the worker sends (RESULT_FIELDS)."""
+        missing = [name for name in RESULT_FIELDS if name not in result]
+        if missing:
+            raise ValueError(f"the result lacks {', '.join(missing)}")
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name != "generated_token_ids":
+                kw[f.name] = _COERCE[str(f.type)](result[f.name])
+        return cls(generated_token_ids=generated_token_ids, **kw)
+
+
+_COERCE = {"str": str, "int": int, "float": float}
+
+# Every field of a ``done`` result, in GenerationResult's order; the engine builds exactly these
+# (a test checks both ends against this list).
+RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationResult))
 
 
 class ChatPrompt(tuple):

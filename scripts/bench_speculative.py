@@ -39,7 +39,8 @@ def decode(engine, tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=tokens, temperature=0, stop_token_ids=[])
     for i, text in enumerate(CHATS):
         ids = engine.tokenizer.encode(
-            engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True),
+            parse_special=True,
         )
         engine.open_session("bench")
         engine.submit(i + 1, "bench", ids, params)

@@ -327,7 +327,9 @@ SESSION_ID = Str(nonempty=True, max_bytes=MAX_SESSION_ID_BYTES, label="session i
 TOKEN_ID = Int(0, _TOKEN_ID_MAX, label="token id")
 TOKENS = PayloadRef(dtypes=("int32", "int64", "uint32"), ndim=1, label="payload-ref")
 POSITION = Int(0, _I64_MAX)
-SEGMENT = Choice((Record({"text": Str()}), Record({"tokens": TOKENS})))
+# A text segment is tokenized as plain text; "special": true parses special-token markers in it
+# (transport/prompt.py).
+SEGMENT = Choice((Record({"text": Str()}, {"special": Bool()}), Record({"tokens": TOKENS})))
 CHAT_MESSAGE = Record(
     {"role": Str(nonempty=True), "content": Nullable(AnyOf((Str(), ListOf(AnyMap()))))},
     extra=True,
@@ -348,13 +350,21 @@ MESSAGES: dict[str, MessageSpec] = {
     "close": _client("Close a session and free its cache. Reply: ok.", {"session_id": SESSION_ID}),
     "reset": _client("Forget a session's history, keep it open. Reply: ok.", {"session_id": SESSION_ID}),
     "generate": _client(
-        "Append the prompt segments to the session and generate. Replies: token*, then done (or error).",
+        "Generate from the prompt segments, which are the session's whole next context (not appended): "
+        "the longest prefix of them that the session's cache still retains is reused and the rest "
+        "prefilled. Replies: token*, then done (or error).",
         {"session_id": SESSION_ID, "prompt": ListOf(SEGMENT)},
+        # Exactly the fields of transport/sampling.py's SamplingFields (a test checks it); their
+        # ranges are checked there, by the worker.
         {
             "max_new_tokens": Int(-1, _I64_MAX),  # -1: the rest of the session's context
             "temperature": Number(),
             "top_p": Number(),
             "top_k": Int(0, _I64_MAX),
+            "min_p": Number(),
+            "repetition_penalty": Number(),
+            "presence_penalty": Number(),
+            "frequency_penalty": Number(),
             "seed": Nullable(Int(0, _U64_MAX)),
             "stop": ListOf(Str()),
             "stop_token_ids": Nullable(ListOf(TOKEN_ID)),
@@ -365,7 +375,11 @@ MESSAGES: dict[str, MessageSpec] = {
         "with its usual done or error.",
         {},
     ),
-    "tokenize": _client("Tokenize text. Reply: tokens.", {"text": Str()}, {"add_special_tokens": Bool()}),
+    "tokenize": _client(
+        "Tokenize text (special-token markers as plain text unless `parse_special`). Reply: tokens.",
+        {"text": Str()},
+        {"add_special_tokens": Bool(), "parse_special": Bool()},
+    ),
     "detokenize": _client("Decode token ids. Reply: text.", {"tokens": TOKENS}),
     "chat_template": _client(
         "Render chat messages with the model's template. Reply: tokens (with the rendered `text`).",

@@ -137,8 +137,12 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     progress: TextIO | None = sys.stderr,
     backend: str = "torch",
+    check: Callable[[ModelArgs, str, str], None] | None = None,
 ) -> LoadedModel:
-    """Resolve ``path`` (None: the bundled SmolLM2), convert a GGUF if needed, and load it on ``backend``."""
+    """Resolve ``path`` (None: the bundled SmolLM2), convert a GGUF if needed, and load it on ``backend``.
+
+    ``check(args, device, dtype)`` runs once the model's config is known, before any weight is
+    loaded, so an impossible configuration fails before it allocates anything."""
     be = get_backend(backend)
     device_str = str(torch.device(device)) if backend == "torch" else str(device)
     dt = dtype_name(dtype)
@@ -146,6 +150,8 @@ def load_model(
     model_dir = resolve_model(path, progress=progress)
     files = load_model_dir(model_dir)
     args = ModelArgs.from_dict(files.config)
+    if check is not None:
+        check(args, device_str, dt)
     model = be.build(files, args, device_str, dt)
     tokenizer = Tokenizer.from_model_files(files)
     name = files.config.get("_name_or_path") or Path(model_dir).name
@@ -168,13 +174,24 @@ def load_engine(
         raise InvalidArgument("a draft model needs n_draft >= 1 (tokens proposed per step)")
     if draft is None and config.n_draft:
         raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
-    loaded = load_model(path, device=device, dtype=dtype, progress=progress, backend=backend)
+    planned: list[int] = []  # bytes the models' weights and KV caches will take, as each is checked
+
+    def check(args: ModelArgs, device: str, dtype: str, what: str) -> None:
+        _check_fits(args, config, device, dtype, what, planned)
+
+    loaded = load_model(
+        path, device=device, dtype=dtype, progress=progress, backend=backend,
+        check=lambda a, d, t: check(a, d, t, "model"),
+    )
     be = get_backend(loaded.backend)
     slots = config.max_sessions + config.prefix_cache_entries
     executor = be.executor(loaded.model, slots, config.max_session_tokens, loaded.device, config.n_draft)
     draft_executor, draft_name = None, ""
     if draft is not None:
-        drafted = load_model(draft, device=device, dtype=dtype, progress=progress, backend=backend)
+        drafted = load_model(
+            draft, device=device, dtype=dtype, progress=progress, backend=backend,
+            check=lambda a, d, t: check(a, d, t, "draft model"),
+        )
         _check_same_tokenizer(loaded, drafted)
         draft_executor = be.executor(drafted.model, slots, config.max_session_tokens, drafted.device, config.n_draft)
         draft_name = drafted.name
@@ -187,6 +204,69 @@ def load_engine(
         draft=draft_executor,
         draft_name=draft_name,
     )
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MEMORY_HEADROOM = 0.9  # of what is available: the process and the allocator need some of it too
+
+
+def weight_nbytes(args: ModelArgs, itemsize: int) -> int:
+    """The weights of a Llama-family model of ``args`` at ``itemsize`` bytes per parameter."""
+    h, d = args.hidden_size, int(args.head_dim)  # type: ignore[arg-type]
+    q, kv = args.num_attention_heads * d, int(args.num_key_value_heads) * d  # type: ignore[arg-type]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size + 2 * h
+    embed = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
+    return (args.num_hidden_layers * per_layer + embed + h) * itemsize
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes the device can still allocate (CUDA: free memory; CPU: MemAvailable), None if unknown."""
+    if device.startswith("cuda"):
+        try:
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            return int(free)
+        except Exception:
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits(args: ModelArgs, config: EngineConfig, device: str, dtype: str, what: str, planned: list[int]) -> None:
+    """Refuse, before anything is allocated, a configuration the model cannot run or the memory
+    cannot hold, naming the flags that size it."""
+    from .cache import planned_nbytes
+
+    context = int(args.max_position_embeddings)
+    if config.max_session_tokens > context:
+        raise InvalidArgument(
+            f"--max_session_tokens {config.max_session_tokens} exceeds the {what}'s context length ({context})"
+        )
+    itemsize = _ITEMSIZE[dtype]
+    slots = config.max_sessions + config.prefix_cache_entries
+    kv = planned_nbytes(
+        args.windows, slots, config.max_session_tokens, int(args.num_key_value_heads),  # type: ignore[arg-type]
+        int(args.head_dim), itemsize, config.n_draft,  # type: ignore[arg-type]
+    )
+    planned.append(kv + weight_nbytes(args, itemsize))
+    available = available_memory(device)
+    if available is not None and sum(planned) > available * _MEMORY_HEADROOM:
+        gib = 2**30
+        raise InvalidArgument(
+            f"the {what}'s KV cache would take {kv / gib:.1f} GiB ({slots} slots = --max_sessions "
+            f"{config.max_sessions} + --prefix_cache_entries {config.prefix_cache_entries}, x "
+            f"--max_session_tokens {config.max_session_tokens} tokens, --dtype {dtype}) and the weights and "
+            f"KV caches {sum(planned) / gib:.1f} GiB in all, but only {available / gib:.1f} GiB of {device} "
+            "memory is available; lower --max_sessions or --max_session_tokens"
+        )
 
 
 def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

@@ -43,6 +43,9 @@ class FullRetention:
     def needed(self, position: int) -> int:
         return 0
 
+    def keep(self, position: int) -> int:
+        return 0
+
 
 class RingRetention:
     """A sliding window W keeps the last W positions (spare rollback rows are never counted) and
@@ -56,24 +59,42 @@ class RingRetention:
     def needed(self, position: int) -> int:
         return required_rows(self.window, position)[0]
 
+    def keep(self, position: int) -> int:
+        """First position a slot of length ``position`` claims to retain (``retained``'s lo): what
+        an export at ``position`` writes, so that a restored slot holds every row it claims and can
+        still truncate to ``position - 1`` (the exact retry)."""
+        return max(0, position - self.window)
+
+
+def _held_from(layer, length: int, floor: int) -> int:
+    """First position a ring layer of a slot holding ``length`` rows really holds: its retention,
+    raised to ``floor`` where a restore wrote fewer rows (the engine's kv_floor)."""
+    lo = layer.retained(length)[0]
+    return max(lo, floor) if layer.window is not None else lo
+
 
 class CacheRetention:
-    """Whole-cache retention questions, from the layers' own (shared by every backend's KVCache)."""
+    """Whole-cache retention questions, from the layers' own (shared by every backend's KVCache).
+
+    ``floor`` (default 0) is the first position a restored slot's ring layers really hold; full
+    layers always hold every row from 0, so it never applies to them.
+    """
 
     layers: list
 
-    def can_truncate(self, length: int, position: int) -> bool:
+    def can_truncate(self, length: int, position: int, floor: int = 0) -> bool:
         """Whether a slot holding ``length`` rows can continue from ``position`` <= length."""
         if position > length:
             return False
-        return all(layer.retained(length)[0] <= layer.needed(position) for layer in self.layers)
+        return all(_held_from(layer, length, floor) <= layer.needed(position) for layer in self.layers)
 
-    def earliest_position(self, length: int) -> int:
+    def earliest_position(self, length: int, floor: int = 0) -> int:
         """The smallest position > 0 a slot holding ``length`` rows can continue from."""
         lo = 1
         for layer in self.layers:
-            if layer.window is not None and layer.retained(length)[0] > 0:
-                lo = max(lo, layer.retained(length)[0] + layer.window - 1)
+            held = _held_from(layer, length, floor)
+            if layer.window is not None and held > 0:
+                lo = max(lo, held + layer.window - 1)
         return min(lo, length)
 
 
@@ -103,12 +124,17 @@ class LayerCache:
         and return padded keys/values [B, KV, L, D] with a mask [B, 1, 1, L] of the valid rows."""
         raise NotImplementedError
 
-    def export_rows(self, slot: int, length: int, position: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Rows this slot retains below ``position``: (start, k [n, KV, D], v [n, KV, D]) on this device."""
+    def export_rows(
+        self, slot: int, length: int, position: int, floor: int = 0
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Rows this slot holds below ``position``, from ``keep(position)`` on: (start, k [n, KV, D],
+        v [n, KV, D]) on this device. ``floor``: see :class:`CacheRetention`."""
         raise NotImplementedError
 
     def import_rows(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write logical rows [start, start+n) ([n, KV, D]) into ``slot``."""
+        """Write logical rows [start, start+n) ([n, KV, D]) into ``slot`` and zero every other row
+        of the slot: a stale row (NaN bits included) must not reach attention even masked, since a
+        masked probability of 0 times NaN is still NaN."""
         raise NotImplementedError
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
@@ -148,13 +174,15 @@ class FullLayerCache(FullRetention, LayerCache):
         mask = torch.arange(n, device=k.device) <= positions.unsqueeze(1)  # [B, L]
         return k, v, mask[:, None, None, :]
 
-    def export_rows(self, slot, length, position):
+    def export_rows(self, slot, length, position, floor=0):
         return 0, self.k[slot, :, :position].transpose(0, 1), self.v[slot, :, :position].transpose(0, 1)
 
     def import_rows(self, slot, start, k, v):
         n = k.shape[0]
-        self.k[slot, :, start : start + n] = k.transpose(0, 1)
-        self.v[slot, :, start : start + n] = v.transpose(0, 1)
+        for cache, rows in ((self.k, k), (self.v, v)):
+            cache[slot, :, :start].zero_()
+            cache[slot, :, start : start + n] = rows.transpose(0, 1)
+            cache[slot, :, start + n :].zero_()
 
     def copy_slot(self, src, dst, length):
         self.k[dst, :, :length] = self.k[src, :, :length]
@@ -232,9 +260,10 @@ class RingLayerCache(RingRetention, LayerCache):
             mask = (back < w) & (back <= positions.unsqueeze(1))
         return k, v, mask[:, None, None, :]
 
-    def export_rows(self, slot, length, position):
-        # Exactly what continuing from ``position`` needs, so a re-export equals the original.
-        lo = max(self.retained(length)[0], self.needed(position))
+    def export_rows(self, slot, length, position, floor=0):
+        # Every row the slot holds of the W positions before ``position`` (what ``retained`` at
+        # ``position`` claims), so a restore can claim the same and a re-export equals the original.
+        lo = max(self.retained(length)[0], floor, self.keep(position))
         idx = self._ring_index(lo, position)
         k = self.k[slot].index_select(1, idx).transpose(0, 1)
         v = self.v[slot].index_select(1, idx).transpose(0, 1)
@@ -244,12 +273,31 @@ class RingLayerCache(RingRetention, LayerCache):
         n = k.shape[0]
         keep = min(n, self.capacity)
         idx = self._ring_index(start + n - keep, start + n)
-        self.k[slot].index_copy_(1, idx, k[n - keep :].transpose(0, 1))
-        self.v[slot].index_copy_(1, idx, v[n - keep :].transpose(0, 1))
+        for cache, rows in ((self.k, k), (self.v, v)):
+            cache[slot].zero_()
+            cache[slot].index_copy_(1, idx, rows[n - keep :].transpose(0, 1))
 
     def copy_slot(self, src, dst, length):
         self.k[dst] = self.k[src]
         self.v[dst] = self.v[src]
+
+
+def planned_nbytes(
+    windows: list[int | None],
+    slots: int,
+    max_tokens: int,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    rollback_rows: int = 0,
+) -> int:
+    """What :class:`KVCache` with these arguments allocates, in bytes, computed before allocating
+    (the MLX cache has the same layouts and sizes)."""
+    rows = 0
+    for w in windows:
+        full = w is None or w >= max_tokens
+        rows += max_tokens if full else w + min(rollback_rows, max_tokens - w)
+    return 2 * slots * rows * kv_heads * head_dim * itemsize
 
 
 class KVCache(CacheRetention):

@@ -11,12 +11,21 @@ History semantics (what a session commits):
   After a turn the last sampled token is committed but has no KV yet, so kv_len == len(tokens) - 1.
 - A prompt is matched against tokens[:kv_len]; the longest common prefix that every layer still
   retains is reused; the rest is prefilled. A prompt equal to the history re-runs its last token.
-- A finished turn (stop token, stop string or length) commits prompt + every sampled token,
-  including a stop token and the tokens of a stop string (the text withheld from the output).
+- A finished turn (stop token or length) commits prompt + every sampled token, including a stop
+  token.
+- A turn cut by a stop string commits the prompt plus the generated tokens whose text lies wholly
+  inside the visible output; the rows past them are dropped by length, as a cancel does. Where a
+  sliding-window ring no longer holds the rows before the cut, it commits every sampled token
+  instead (always exact, only less warm). ``committed_tokens`` in the result says how many.
 - A cancelled turn commits the prompt rows that were prefilled plus the tokens sampled so far.
-- A failed forward pass empties the histories of the sessions in that batch.
-A session whose last turn was cancelled, failed or cut by a stop string is not saveable until a
-later clean turn.
+- A failed forward pass, or a request whose sampling fails, empties that session's history.
+A session whose last turn failed is not saveable until a later clean turn; after any other turn
+(finished, stop-string cut or cancelled) it is saveable and warm.
+
+Restored rows (``kv_floor``): a restore writes only the rows its checkpoint holds, so a ring layer
+of a restored slot may hold fewer than the W rows its length suggests. The session records the
+first position every ring layer really holds, and every retention question (truncating, exporting,
+the prefix cache) takes it into account, so nothing ever attends to a row that was not imported.
 
 Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULATIVE.md):
 - The draft has its own KV cache with the same slots and, per session, its own length
@@ -31,6 +40,7 @@ Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULAT
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from dataclasses import dataclass, field
@@ -39,7 +49,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from muxworker.native import all_finite
 from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype
+from muxworker.transport.prompt import SpecialText
+from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -58,10 +71,8 @@ from .config import EngineConfig
 from .executor import Executor
 from .prefix_cache import PrefixCache
 from .model import SeqSpan
-from .sampling import SamplingParams, sample, sample_draft, verify_drafts
+from .sampling import Penalties, SamplingError, SamplingParams, sample, sample_draft, verify_drafts
 from .tokenizer import IncrementalDetokenizer
-
-MAX_SESSION_ID_BYTES = 1024
 
 Prompt = str | Sequence[int] | Sequence[str | Sequence[int]]
 
@@ -85,6 +96,17 @@ def _geometry(executor: Executor) -> dict[str, Any]:
         "head_dim": int(args.head_dim),  # type: ignore[arg-type]
         "windows": list(executor.cache.windows),
     }
+
+
+def _check_finite(what: str, layers: Sequence[LayerState], dtype: str) -> None:
+    """Refuse a checkpoint whose KV rows hold NaN or inf. CRCs catch corruption, not a file written
+    that way on purpose; such rows would turn the session's logits into NaN, and a restored slot
+    later serves other sessions (prefix-cache entries), so they never enter the cache."""
+    bf16 = dtype == "bfloat16"
+    for i, layer in enumerate(layers):
+        for name, rows in (("keys", layer.keys), ("values", layer.values)):
+            if not all_finite(np.ascontiguousarray(rows), bfloat16=bf16):
+                raise CheckpointRejected(f"checkpoint {what} {i} {name} hold NaN or infinite values")
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -127,6 +149,10 @@ class _Session:
     # Rows [0, draft_len) of the draft's cache slot hold the draft's KV of tokens[:draft_len];
     # always <= kv_len (0 without a draft). tokens[draft_len:kv_len] are pending for the draft.
     draft_len: int = 0
+    # The first position the slot's ring layers really hold when it was filled by a restore (or
+    # from a prefix-cache entry that was); 0 when every row was computed here. See the docstring.
+    kv_floor: int = 0
+    draft_floor: int = 0
 
 
 @dataclass
@@ -150,6 +176,9 @@ class _Request:
     fresh: bool = False  # the session had no history: its prefilled prompt may seed the prefix cache
     draft_proposed: int = 0  # tokens the draft proposed for this request
     draft_accepted: int = 0  # of those, tokens the target accepted and the session committed
+    penalties: Penalties | None = None  # only when a penalty is on
+    text_ends: list[int] = field(default_factory=list)  # output text length after each generated token
+    emitted: int = 0  # characters of output text sent so far
 
 
 @dataclass
@@ -312,7 +341,7 @@ class Engine:
         if s.request is not None:
             self._finish(s.request, "cancelled")
         # A closed session's history becomes a prefix-cache entry (when the cache is on).
-        self.prefix_cache.insert(s.slot, s.tokens[: s.kv_len])
+        self.prefix_cache.insert(s.slot, s.tokens[: s.kv_len], s.kv_floor)
         del self._sessions[sid]
         self._free_slots.append(s.slot)
 
@@ -321,8 +350,8 @@ class Engine:
         if s.request is not None:
             self._finish(s.request, "cancelled")
         s.tokens = []
-        s.kv_len = 0
-        s.draft_len = 0
+        s.kv_len = s.kv_floor = 0
+        s.draft_len = s.draft_floor = 0
         s.unsaveable = "empty"
 
     def session_ids(self) -> list[str]:
@@ -351,7 +380,7 @@ class Engine:
         ids: list[int] = []
         for seg in segments:
             if isinstance(seg, str):
-                ids.extend(self.tokenizer.encode(seg))
+                ids.extend(self.tokenizer.encode(seg, parse_special=isinstance(seg, SpecialText)))
             elif isinstance(seg, (list, tuple)) or hasattr(seg, "tolist"):
                 seg_ids = seg.tolist() if hasattr(seg, "tolist") else list(seg)
                 for t in seg_ids:
@@ -369,7 +398,7 @@ class Engine:
     def _reusable_prefix(self, s: _Session, prompt: list[int]) -> int:
         """Rows of the session's cache the prompt can keep (at most len(prompt) - 1)."""
         common = _common_prefix(s.tokens, prompt, min(s.kv_len, len(prompt) - 1))
-        if common and not self.cache.can_truncate(s.kv_len, common):
+        if common and not self.cache.can_truncate(s.kv_len, common, s.kv_floor):
             return 0
         return common
 
@@ -402,14 +431,15 @@ class Engine:
             )
         stop_ids = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
         seed = params.seed
-        if params.temperature > 0 and seed is None:
+        if not params.greedy and seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-        gen = torch.Generator().manual_seed(seed) if params.temperature > 0 else None
+        gen = torch.Generator().manual_seed(seed) if not params.greedy else None
         fresh = s.kv_len == 0
         reused = self._reusable_prefix(s, ids)
+        floor = s.kv_floor if reused else 0
         hit = self.prefix_cache.match(ids, len(ids) - 1)
         if hit is not None and hit[1] > reused:
-            self.prefix_cache.copy_into(hit[0], s.slot, hit[1])
+            floor = self.prefix_cache.copy_into(hit[0], s.slot, hit[1])
             reused = hit[1]
         req = _Request(
             rid=request_id,
@@ -423,17 +453,21 @@ class Engine:
             reused=reused,
             t_submit=time.perf_counter(),
             fresh=fresh,
+            penalties=Penalties(params, ids, self.vocab_size) if params.penalized else None,
         )
         if self.draft is not None:
             # The draft keeps what its own rows share with the prompt, never more than the target;
             # the rest (a prefix-cache hit included) is pending and fed with the first prefill chunk.
             keep = _common_prefix(s.tokens, ids, min(s.draft_len, reused))
-            if keep and not self.draft.cache.can_truncate(s.draft_len, keep):
+            if keep and not self.draft.cache.can_truncate(s.draft_len, keep, s.draft_floor):
                 keep = 0
             s.draft_len = keep
+            if not keep:
+                s.draft_floor = 0
         # Commit the prompt: the session now continues from ``reused`` rows.
         s.tokens = list(ids)
         s.kv_len = reused
+        s.kv_floor = floor
         s.request = req
         s.unsaveable = "busy"
         self._requests[request_id] = req
@@ -463,18 +497,15 @@ class Engine:
         s = req.session
         now = time.perf_counter()
         if reason == "error":
-            s.tokens, s.kv_len, s.draft_len = [], 0, 0
+            s.tokens, s.kv_len, s.kv_floor, s.draft_len, s.draft_floor = [], 0, 0, 0, 0
             s.unsaveable = "the last generation failed"
         else:
             # Drop prompt tokens that never got KV (cancelled during prefill).
             if req.phase is _Phase.PREFILL:
                 s.tokens = s.tokens[: s.kv_len]
-            if reason == "cancelled":
-                s.unsaveable = "the last generation was cancelled"
             elif req.stop_cut:
-                s.unsaveable = "the last generation was cut by a stop string"
-            else:
-                s.unsaveable = None if s.tokens else "empty"
+                self._commit_visible(req)
+            s.unsaveable = None if s.kv_len else "empty"
         s.request = None
         del self._requests[req.rid]
         tail = ""
@@ -487,6 +518,7 @@ class Engine:
             "reused_prompt_tokens": req.reused,
             "prefilled_prompt_tokens": len(req.prompt) - req.reused,
             "completion_tokens": len(req.generated),
+            "committed_tokens": max(0, len(s.tokens) - len(req.prompt)),
             "generated_token_ids": list(req.generated),
             "prefill_time_s": t_first - req.t_submit,
             "decode_time_s": now - t_first,
@@ -495,8 +527,35 @@ class Engine:
         }
         self._outputs.append(EngineOutput(req.rid, tail, [], result, error))
 
+    def _commit_visible(self, req: _Request) -> None:
+        """After a stop-string cut: keep only the generated tokens whose text is wholly visible."""
+        s = req.session
+        visible = req.emitted
+        keep = bisect.bisect_right(req.text_ends, visible)
+        # A trailing token with no text of its own (a partial UTF-8 sequence) belongs to what follows.
+        while keep and req.text_ends[keep - 1] == (req.text_ends[keep - 2] if keep > 1 else 0):
+            keep -= 1
+        length = len(req.prompt) + keep
+        if length >= len(s.tokens) or length > s.kv_len:
+            return  # every token is visible, or the rows before the cut were never written
+        if not self.cache.can_truncate(s.kv_len, length, s.kv_floor):
+            return  # a ring no longer holds the rows before the cut: commit everything (exact, colder)
+        s.tokens = s.tokens[:length]
+        s.kv_len = length
+        if self.draft is not None and s.draft_len > length:
+            if self.draft.cache.can_truncate(s.draft_len, length, s.draft_floor):
+                s.draft_len = length
+            else:
+                s.draft_len = s.draft_floor = 0  # the draft refeeds the history from the start
+
     def _emit_text(self, req: _Request, token: int) -> EngineOutput:
         delta = req.detok.push(token)
+        req.text_ends.append((req.text_ends[-1] if req.text_ends else 0) + len(delta))
+        out = self._visible(req, delta, token)
+        req.emitted += len(out.text)
+        return out
+
+    def _visible(self, req: _Request, delta: str, token: int) -> EngineOutput:
         text = req.held_text + delta
         stops = req.params.stop
         if stops:
@@ -527,6 +586,8 @@ class Engine:
         s = req.session
         req.generated.append(token)
         s.tokens.append(token)
+        if req.penalties is not None:
+            req.penalties.push(token)
         req.phase = _Phase.DECODE
         if token in req.stop_ids:
             self._outputs.append(EngineOutput(req.rid, "", [token]))
@@ -583,8 +644,18 @@ class Engine:
     def _draft_budget(self, req: _Request) -> int:
         """Tokens to draft for ``req`` this step: at most n_draft, and never past max_new_tokens
         (the target's token after the drafts must still fit), so drafted positions stay inside the
-        session's max_session_tokens."""
+        session's max_session_tokens. A penalized request drafts nothing: its logits at each drafted
+        position would depend on the drafts before it, which one verification pass does not model."""
+        if req.params.penalized:
+            return 0
         return max(0, min(self.n_draft, req.max_new - len(req.generated) - 1))
+
+    def _fail(self, req: _Request, exc: Exception) -> None:
+        """End one request whose own processing raised; the other requests of the step carry on."""
+        if req.finished:
+            return
+        message = str(exc) if isinstance(exc, SamplingError) else f"{type(exc).__name__}: {exc}"
+        self._finish(req, "error", InternalError(f"request {req.rid} failed: {message}"))
 
     def _draft_forward(
         self, reqs: list[_Request], tokens: list[int], positions: list[int], spans: list[SeqSpan], rows: list[int]
@@ -638,11 +709,16 @@ class Engine:
         active = drafting
         for j in range(self.n_draft):
             for r, row in zip(active, logits):
-                token, q = sample_draft(row, r.params, r.generator)
+                try:
+                    token, q = sample_draft(row, r.params, r.generator)
+                except Exception as exc:  # the draft's logits hold no distribution: end this request alone
+                    self._fail(r, exc)
+                    proposals.pop(r.rid, None)
+                    continue
                 proposals[r.rid].tokens.append(token)
                 if q is not None:
                     proposals[r.rid].probs.append(q)
-            active = [r for r in active if budget[r.rid] > j + 1]
+            active = [r for r in active if budget[r.rid] > j + 1 and not r.finished]
             if not active:
                 break
             # Feed each session's newest draft token to get the distribution for the next one.
@@ -704,18 +780,20 @@ class Engine:
             if self.draft is not None:
                 r.session.draft_len = r.session.kv_len  # _propose fed the draft the same chunk
             if r.fresh and r.session.kv_len == len(r.prompt):
-                self.prefix_cache.insert(r.session.slot, r.prompt)
+                self.prefix_cache.insert(r.session.slot, r.prompt, r.session.kv_floor)
         row = 0
         for r in sample_reqs:
-            if r.phase is _Phase.DECODE:
-                proposal = proposals.get(r.rid)
-                k = len(proposal.tokens) if proposal is not None else 0
-                self._commit_decoded(r, logits[row : row + k + 1], proposal)
-                row += k + 1
-            else:
-                if not r.finished:
-                    self._accept_token(r, sample(logits[row], r.params, r.generator))
-                row += 1
+            decoding_now = r.phase is _Phase.DECODE
+            proposal = proposals.get(r.rid) if decoding_now else None
+            n = (len(proposal.tokens) if proposal is not None else 0) + 1 if decoding_now else 1
+            try:
+                if decoding_now:
+                    self._commit_decoded(r, logits[row : row + n], proposal)
+                elif not r.finished:
+                    self._accept_token(r, sample(logits[row], r.params, r.generator, r.penalties))
+            except Exception as exc:  # one request's sampling or output failed: end it alone
+                self._fail(r, exc)
+            row += n
 
     def _commit_decoded(self, r: _Request, logits: torch.Tensor, proposal: _Proposal | None) -> None:
         """Commit what the target's logits [1 + k, V] over (last token, k drafted tokens) decide."""
@@ -724,7 +802,7 @@ class Engine:
         s = r.session
         if proposal is None or not proposal.tokens:
             s.kv_len += 1
-            self._accept_token(r, sample(logits[0], r.params, r.generator))
+            self._accept_token(r, sample(logits[0], r.params, r.generator, r.penalties))
             return
         n = len(s.tokens)  # the target just wrote rows [n - 1, n + k), the draft [.., n + k - 1)
         k = len(proposal.tokens)
@@ -771,12 +849,12 @@ class Engine:
             position = s.kv_len
         if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= s.kv_len:
             raise InvalidArgument(f"export position must be in [1, {s.kv_len}], got {position!r}")
-        if not self.cache.can_truncate(s.kv_len, position):
+        if not self.cache.can_truncate(s.kv_len, position, s.kv_floor):
             raise CheckpointRejected(
                 f"session {sid!r} no longer retains the history position {position} needs "
-                f"(earliest is {self.cache.earliest_position(s.kv_len)})"
+                f"(earliest is {self.cache.earliest_position(s.kv_len, s.kv_floor)})"
             )
-        layers = self.executor.export_layers(s.slot, s.kv_len, position)
+        layers = self.executor.export_layers(s.slot, s.kv_len, position, s.kv_floor)
         return CPUCheckpoint(
             format=self.executor_format(),
             geometry=self.geometry(),
@@ -791,10 +869,10 @@ class Engine:
         committed tokens after that which it has not been fed (``pending_token_ids``)."""
         assert self.draft is not None
         at = min(s.draft_len, position)
-        if at and not self.draft.cache.can_truncate(s.draft_len, at):
+        if at and not self.draft.cache.can_truncate(s.draft_len, at, s.draft_floor):
             at = 0  # its rings no longer hold what ``at`` needs: the draft restarts from the beginning
         if at:
-            layers = self.draft.export_layers(s.slot, s.draft_len, at)
+            layers = self.draft.export_layers(s.slot, s.draft_len, at, s.draft_floor)
         else:
             geo = self.draft_geometry()
             assert geo is not None
@@ -838,16 +916,23 @@ class Engine:
         ids = checkpoint.token_ids[:position]
         if ids.size and (int(ids.max()) >= self.vocab_size):
             raise CheckpointRejected(f"checkpoint token ids exceed the vocabulary ({self.vocab_size})")
+        draft_len = min(position, draft_position)
+        _check_finite("layer", checkpoint.layers, self.executor.dtype_name)
+        if self.draft is not None and draft_len:
+            assert checkpoint.draft is not None
+            _check_finite("draft layer", checkpoint.draft["layers"], self.draft.dtype_name)
         if not self._free_slots:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
         slot = self._free_slots[-1]
-        self.executor.import_layers(slot, position, checkpoint.layers)
-        draft_len = min(position, draft_position)
+        floor = self.executor.import_layers(slot, position, checkpoint.layers)
+        draft_floor = 0
         if self.draft is not None and draft_len:
             assert checkpoint.draft is not None
-            self.draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
+            draft_floor = self.draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
         self._free_slots.pop()
-        self._sessions[sid] = _Session(sid, slot, ids.tolist(), position, None, None, draft_len)
+        self._sessions[sid] = _Session(
+            sid, slot, ids.tolist(), position, None, None, draft_len, kv_floor=floor, draft_floor=draft_floor
+        )
 
     def _check_draft_state(self, checkpoint: CPUCheckpoint) -> int:
         """Check the checkpoint's draft state against this engine; return the draft's position (0 without one)."""

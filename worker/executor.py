@@ -36,9 +36,13 @@ class Executor(Protocol):
         """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
         ...
 
-    def export_layers(self, slot: int, length: int, position: int) -> list[LayerState]: ...
+    def export_layers(self, slot: int, length: int, position: int, floor: int = 0) -> list[LayerState]: ...
 
-    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> None: ...
+    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> int:
+        """Write a checkpoint's rows continuing at ``position`` into ``slot`` (every other row of the
+        slot zeroed) and return the restored slot's floor: the first position every ring layer
+        holds (see engine.py), 0 when every claimed row was imported."""
+        ...
 
 
 class TorchExecutor:
@@ -83,21 +87,27 @@ class TorchExecutor:
         )
         return logits.cpu()
 
-    def export_layers(self, slot, length, position):
+    def export_layers(self, slot, length, position, floor=0):
         storage = numpy_storage_dtype(self.dtype_name)
         out = []
         for layer in self.cache.layers:
-            start, k, v = layer.export_rows(slot, length, position)
+            start, k, v = layer.export_rows(slot, length, position, floor)
             out.append(LayerState(start, _to_numpy(k, storage), _to_numpy(v, storage)))
         return out
 
     def import_layers(self, slot, position, layers):
+        if len(layers) != len(self.cache.layers):
+            raise ValueError(f"{len(layers)} layer states for a cache of {len(self.cache.layers)} layers")
+        floor = 0
         for layer, state in zip(self.cache.layers, layers):
-            lo = max(state.start, layer.needed(position))
+            lo = max(state.start, layer.keep(position))
             a, b = lo - state.start, position - state.start
             k = _from_numpy(state.keys[a:b], self.dtype, self.device)
             v = _from_numpy(state.values[a:b], self.dtype, self.device)
             layer.import_rows(slot, lo, k, v)
+            if lo > layer.keep(position):
+                floor = max(floor, lo)
+        return floor
 
 
 def _to_numpy(t: torch.Tensor, storage: np.dtype) -> np.ndarray:

@@ -72,12 +72,13 @@ class LayerCache:
         and return padded keys/values [B, KV, L, D] with a mask [B, 1, 1, L] of the valid rows."""
         raise NotImplementedError
 
-    def export_rows(self, slot: int, length: int, position: int) -> tuple[int, mx.array, mx.array]:
-        """Rows this slot retains below ``position``: (start, k [n, KV, D], v [n, KV, D])."""
+    def export_rows(self, slot: int, length: int, position: int, floor: int = 0) -> tuple[int, mx.array, mx.array]:
+        """Rows this slot holds below ``position``, from ``keep(position)`` on (as cache.LayerCache)."""
         raise NotImplementedError
 
     def import_rows(self, slot: int, start: int, k: mx.array, v: mx.array) -> None:
-        """Write logical rows [start, start+n) ([n, KV, D]) into ``slot``."""
+        """Write logical rows [start, start+n) ([n, KV, D]) into ``slot`` and zero every other row
+        (as cache.LayerCache: no stale row may reach attention, even masked)."""
         raise NotImplementedError
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
@@ -132,14 +133,17 @@ class FullLayerCache(FullRetention, LayerCache):
         mask = mx.arange(n)[None] <= mx.array(positions)[:, None]  # [B, n]
         return k, v, mask[:, None, None, :]
 
-    def export_rows(self, slot, length, position):
+    def export_rows(self, slot, length, position, floor=0):
         return 0, self.k[slot][:, :position].transpose(1, 0, 2), self.v[slot][:, :position].transpose(1, 0, 2)
 
     def import_rows(self, slot, start, k, v):
         end = start + k.shape[0]
         self._check_rows(end)
-        self.k[slot][:, start:end] = k.transpose(1, 0, 2)
-        self.v[slot][:, start:end] = v.transpose(1, 0, 2)
+        for arrays, rows in ((self.k, k), (self.v, v)):
+            a = arrays[slot]
+            a[:, :start] = 0
+            a[:, start:end] = rows.transpose(1, 0, 2)
+            a[:, end:] = 0
 
     def copy_slot(self, src, dst, length):
         # A slice write into dst's own buffer: later writes to either slot stay independent.
@@ -232,9 +236,9 @@ class RingLayerCache(RingRetention, LayerCache):
         mask = (held >= 0) & (held > p - w)
         return k, v, mask[:, None, None, :]
 
-    def export_rows(self, slot, length, position):
-        # Exactly what continuing from ``position`` needs, so a re-export equals the original.
-        lo = max(self.retained(length)[0], self.needed(position))
+    def export_rows(self, slot, length, position, floor=0):
+        # What ``retained`` at ``position`` claims, as cache.RingLayerCache.export_rows.
+        lo = max(self.retained(length)[0], floor, self.keep(position))
         k = self._read(self.k[slot], lo, position).transpose(1, 0, 2)
         v = self._read(self.v[slot], lo, position).transpose(1, 0, 2)
         return lo, k, v
@@ -242,8 +246,9 @@ class RingLayerCache(RingRetention, LayerCache):
     def import_rows(self, slot, start, k, v):
         n = k.shape[0]
         keep = min(n, self.capacity)
-        self._write(self.k[slot], start + n - keep, k[n - keep :].transpose(1, 0, 2))
-        self._write(self.v[slot], start + n - keep, v[n - keep :].transpose(1, 0, 2))
+        for arrays, rows in ((self.k, k), (self.v, v)):
+            arrays[slot][:] = 0
+            self._write(arrays[slot], start + n - keep, rows[n - keep :].transpose(1, 0, 2))
 
     def copy_slot(self, src, dst, length):
         self.k[dst][:] = self.k[src]

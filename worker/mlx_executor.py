@@ -114,17 +114,18 @@ class MLXExecutor:
             mx.eval(logits, self.cache.slot_arrays({s.slot for s in spans}))
         return torch.from_numpy(np.array(logits, copy=True))
 
-    def export_layers(self, slot: int, length: int, position: int) -> list[LayerState]:
+    def export_layers(self, slot: int, length: int, position: int, floor: int = 0) -> list[LayerState]:
         storage = numpy_storage_dtype(self.dtype_name)
         out = []
         with mx.stream(self.device):
             for layer in self.cache.layers:
-                start, k, v = layer.export_rows(slot, length, position)
+                start, k, v = layer.export_rows(slot, length, position, floor)
                 out.append(LayerState(start, _to_numpy(k, storage), _to_numpy(v, storage)))
         return out
 
-    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> None:
+    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> int:
         storage = numpy_storage_dtype(self.dtype_name)
+        floor = 0
         if len(layers) != len(self.cache.layers):
             raise ValueError(f"{len(layers)} layer states for a cache of {len(self.cache.layers)} layers")
         with mx.stream(self.device):
@@ -133,10 +134,13 @@ class MLXExecutor:
                     raise ValueError(
                         f"layer rows are {state.keys.dtype}; a {self.dtype_name} cache needs {storage}"
                     )
-                lo = max(state.start, layer.needed(position))
+                lo = max(state.start, layer.keep(position))
                 a, b = lo - state.start, position - state.start
                 layer.import_rows(slot, lo, _from_numpy(state.keys[a:b], self.dtype), _from_numpy(state.values[a:b], self.dtype))
+                if lo > layer.keep(position):
+                    floor = max(floor, lo)
             mx.eval(self.cache.slot_arrays([slot]))
+        return floor
 
 
 def _to_numpy(a: mx.array, storage: np.dtype) -> np.ndarray:

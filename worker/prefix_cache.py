@@ -23,6 +23,7 @@ MIN_MATCH = 2
 class _Entry:
     slot: int
     tokens: np.ndarray  # int64 [length]
+    floor: int = 0  # the first position its ring layers hold (an entry made from a restored session)
 
 
 class PrefixCache:
@@ -49,8 +50,9 @@ class PrefixCache:
                 return slot
         return None
 
-    def insert(self, src_slot: int, tokens: Sequence[int]) -> None:
-        """Snapshot ``tokens`` (whose KV is in rows [0, len) of ``src_slot``) as an entry."""
+    def insert(self, src_slot: int, tokens: Sequence[int], floor: int = 0) -> None:
+        """Snapshot ``tokens`` (whose KV is in rows [0, len) of ``src_slot``, ring layers from
+        ``floor`` on) as an entry."""
         if self.capacity == 0 or len(tokens) < MIN_MATCH:
             return
         arr = np.asarray(tokens, dtype=np.int64)
@@ -68,7 +70,7 @@ class PrefixCache:
             self._free.append(slot)
         slot = self._free.pop()
         self.cache.copy_slot(src_slot, slot, len(arr))
-        self._entries[slot] = _Entry(slot, arr)
+        self._entries[slot] = _Entry(slot, arr, floor)
 
     def match(self, prompt: Sequence[int], limit: int) -> tuple[int, int] | None:
         """The best (entry slot, usable length <= limit) for ``prompt``, or None."""
@@ -80,15 +82,17 @@ class PrefixCache:
             n = min(len(e.tokens), len(p))
             diff = np.flatnonzero(e.tokens[:n] != p[:n])
             m = int(diff[0]) if diff.size else n
-            if m >= MIN_MATCH and not self.cache.can_truncate(len(e.tokens), m):
+            if m >= MIN_MATCH and not self.cache.can_truncate(len(e.tokens), m, e.floor):
                 m = 0  # a window layer no longer holds what position m needs
             if m >= MIN_MATCH and (best is None or m > best[1]):
                 best = (slot, m)
         return best
 
-    def copy_into(self, entry_slot: int, dst_slot: int, length: int) -> None:
+    def copy_into(self, entry_slot: int, dst_slot: int, length: int) -> int:
+        """Copy an entry's first ``length`` rows into ``dst_slot``; return the copy's floor."""
         e = self._entries[entry_slot]
         self._entries.move_to_end(entry_slot)
         self.cache.copy_slot(entry_slot, dst_slot, length)
         self.hits += 1
         self.reused_tokens += length
+        return e.floor

@@ -1,74 +1,53 @@
-"""Sampling parameters and token selection (greedy, temperature, top-k, top-p, seeded)."""
+"""Token selection: greedy, temperature, top-k, top-p, min-p, penalties, seeded; and speculative verification.
+
+The fields and their ranges are defined once, in :mod:`muxworker.transport.sampling`."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
-from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.sampling import SamplingFields
 
 
-_WIRE_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+SamplingParams = SamplingFields  # the worker's name for the one definition in transport/sampling.py
 
 
-@dataclass
-class SamplingParams:
-    """What a generation asks for. Validated by ``validate`` before any work."""
+class Penalties:
+    """Per-request penalty state: which tokens the prompt and output hold, and how often the output
+    holds each (float32 [V] on the logits' device). Only built when a penalty is on."""
 
-    max_new_tokens: int = 256  # -1: the rest of the session's context
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] | None = None  # None: the model's EOS tokens
+    def __init__(self, params: SamplingFields, prompt: list[int], vocab_size: int) -> None:
+        self.params = params
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        if prompt:
+            self.seen[torch.tensor(prompt, dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32)
 
-    @classmethod
-    def from_wire(cls, control: dict[str, Any]) -> "SamplingParams":
-        kw = {k: control[k] for k in _WIRE_FIELDS if k in control}
-        if kw.get("stop") is None:
-            kw.pop("stop", None)
-        params = cls(**kw)
-        params.validate()
-        return params
+    def push(self, token: int) -> None:
+        self.seen[token] = True
+        self.counts[token] += 1
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or (
-            self.max_new_tokens < 1 and self.max_new_tokens != -1
-        ):
-            raise InvalidArgument(f"max_new_tokens must be a positive integer or -1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not math.isfinite(
-            self.temperature
-        ) or self.temperature < 0:
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0 < self.top_p <= 1):
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise InvalidArgument(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
-            raise InvalidArgument(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidArgument(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
-            ):
-                raise InvalidArgument(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-                raise InvalidArgument(f"stop_token_ids must lie in [0, {vocab_size})")
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalized float32 logits [V] (a new tensor)."""
+        p = self.params
+        out = logits.clone()
+        if p.repetition_penalty != 1.0:
+            seen = out[self.seen]
+            out[self.seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
+        return out
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a temperature > 0 request samples from: float32 logits [..., V] ->
-    probabilities [..., V] after temperature, top-k and top-p.
+def processed_probs(logits: torch.Tensor, params: SamplingFields) -> torch.Tensor:
+    """The distribution a sampling (not greedy) request samples from: float32 logits [..., V] ->
+    probabilities [..., V] after temperature, top-k, top-p and min-p.
 
     Speculative decoding builds the target's p and the draft's q with this one function, so the
     acceptance test compares distributions processed the same way.
     """
-    if params.temperature <= 0:
-        raise ValueError("processed_probs needs temperature > 0 (greedy picks the argmax)")
+    if params.greedy:
+        raise ValueError("processed_probs needs a sampling temperature (greedy picks the argmax)")
     scores = logits / float(params.temperature)
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
@@ -81,23 +60,53 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = (cum - probs) >= params.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-    return torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0:
+        # Keep tokens at least min_p times as likely as the most likely one (always that one).
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from one row of float32 logits [V]."""
-    if params.temperature == 0:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingFields,
+    generator: torch.Generator | None,
+    penalties: Penalties | None = None,
+) -> int:
+    """Pick the next token from one row of float32 logits [V].
+
+    Raises :class:`SamplingError` when the logits hold no usable distribution (NaN everywhere, say,
+    from a checkpoint whose KV was tampered with); the engine ends that request only.
+    """
+    if penalties is not None:
+        logits = penalties.apply(logits)
+    if params.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(processed_probs(logits, params), 1, generator=generator))
+    probs = processed_probs(logits, params)
+    _check_distribution(probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class SamplingError(ValueError):
+    """The logits of a request hold no distribution to sample from (NaN or inf)."""
+
+
+def _check_distribution(probs: torch.Tensor) -> None:
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0 or not bool(torch.isfinite(probs).all()):
+        raise SamplingError("the model's logits hold no finite distribution to sample from (NaN or inf)")
 
 
 def sample_draft(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingFields, generator: torch.Generator | None
 ) -> tuple[int, torch.Tensor | None]:
     """A draft model's proposal from one row of logits [V]: (token, q [V]); q is None when greedy."""
-    if params.temperature == 0:
+    if params.greedy:
         return int(torch.argmax(logits)), None
     q = processed_probs(logits, params)
+    _check_distribution(q)
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
@@ -138,7 +147,7 @@ def verify_drafts(
     logits: torch.Tensor,  # [k + 1, V] target logits at the drafted positions and one past them
     drafted: list[int],
     draft_probs: torch.Tensor | None,  # [k, V], None when greedy
-    params: SamplingParams,
+    params: SamplingFields,
     generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """The tokens to commit after the target scored ``drafted``, and how many are accepted drafts.
@@ -147,7 +156,7 @@ def verify_drafts(
     the output is exactly what greedy decoding without a draft produces. Sampling uses
     :func:`speculative_accept` on distributions processed as :func:`sample` would.
     """
-    if params.temperature == 0:
+    if params.greedy:
         best = torch.argmax(logits, dim=-1).tolist()
         for i, x in enumerate(drafted):
             if best[i] != x:
@@ -155,4 +164,6 @@ def verify_drafts(
         return list(drafted) + [best[len(drafted)]], len(drafted)
     if draft_probs is None:
         raise ValueError("sampling verification needs the draft's probabilities")
-    return speculative_accept(processed_probs(logits, params), draft_probs, drafted, generator)
+    p = processed_probs(logits, params)
+    _check_distribution(p)
+    return speculative_accept(p, draft_probs, drafted, generator)

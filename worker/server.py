@@ -36,6 +36,7 @@ from muxworker.transport.checkpoint import checkpoint_from_wire, checkpoint_to_w
 from muxworker.transport.errors import InternalError, InvalidArgument, MuxError, ProtocolError
 from muxworker.transport.fdio import FDS_ENV, FdFrameReader, FdFrameWriter, worker_fds
 from muxworker.transport.framing import Frame, attach_payload, payload_array
+from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import error_control, hello_control, validate
 
 from .config import ConfigError, EngineConfig
@@ -471,7 +472,8 @@ class WorkerServer:
         prompt: list[str | list[int]] = []
         for segment in control["prompt"]:
             if "text" in segment:
-                prompt.append(segment["text"])
+                text = segment["text"]
+                prompt.append(SpecialText(text) if segment.get("special") else text)
             else:
                 prompt.append(payload_array(frame, segment["tokens"]).tolist())
         params = SamplingParams.from_wire(control)
@@ -483,7 +485,11 @@ class WorkerServer:
         self._engine.cancel(rid)
 
     def _tokenize(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        ids = self._engine.tokenizer.encode(control["text"], add_special_tokens=control.get("add_special_tokens", False))
+        ids = self._engine.tokenizer.encode(
+            control["text"],
+            add_special_tokens=control.get("add_special_tokens", False),
+            parse_special=control.get("parse_special", False),
+        )
         self._write(_tokens_frame(rid, ids))
 
     def _detokenize(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
@@ -503,7 +509,7 @@ class WorkerServer:
             )
         except ChatTemplateError as exc:
             raise InvalidArgument(str(exc)) from None
-        self._write(_tokens_frame(rid, tokenizer.encode(text), text=text))
+        self._write(_tokens_frame(rid, tokenizer.encode(text, parse_special=True), text=text))
 
     def _export(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         checkpoint = self._engine.export_checkpoint(control["session_id"], control.get("position"))

@@ -173,10 +173,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text (<|im_start|>) become their ids.
-        With add_special_tokens, BOS is added when the tokenizer is configured to add it."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, *, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token markers written in the text (<|im_start|>) become
+        their ids only with ``parse_special`` (a rendered chat template); otherwise they are
+        tokenized as the characters they are, so text cannot forge a role turn. With
+        add_special_tokens, BOS is added when the tokenizer is configured to add it."""
+        # The backend's switch is tokenizer-wide state; the engine thread is its only user.
+        self.backend.encode_special_tokens = not parse_special
+        try:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self.backend.encode_special_tokens = False
         if (
             add_special_tokens
             and self.add_bos_token

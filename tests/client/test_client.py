@@ -309,7 +309,8 @@ async def test_tokenize_detokenize_and_chat_template(client):
     chat = await client.apply_chat_template([{"role": "user", "content": "hi"}])
     text, chat_ids = chat
     assert text == chat.text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert chat.token_ids == chat_ids == await client.tokenize(text)
+    assert chat.token_ids == chat_ids == await client.tokenize(text, parse_special=True)
+    assert await client.tokenize(text) != chat_ids  # plain text: the markers are characters
     no_prompt = await client.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
     assert no_prompt.text == "<|im_start|>user\nhi<|im_end|>\n"
     with pytest.raises(InvalidArgument):

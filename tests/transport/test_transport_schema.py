@@ -337,8 +337,11 @@ def test_prompt_segments():
     generate([{"tokens": ref}], payloads)
     with pytest.raises(InvalidArgument, match=r"prompt\[0\].text must be str"):
         generate([{"text": 1}])
-    with pytest.raises(InvalidArgument, match=r"prompt\[0\] must be \{text: str\} or \{tokens"):
+    with pytest.raises(InvalidArgument, match=r"prompt\[0\] must be \{text: str, special\?: bool\} or \{tokens"):
         generate([{"txt": "a"}])
+    generate([{"text": "<|im_start|>", "special": True}, {"text": "x", "special": False}])
+    with pytest.raises(InvalidArgument, match=r"prompt\[0\].special must be bool"):
+        generate([{"text": "a", "special": 1}])
     with pytest.raises(InvalidArgument, match=r"prompt\[0\].tokens must be absent \(unknown field"):
         generate([{"text": "a", "tokens": ref}], payloads)
     with pytest.raises(InvalidArgument, match=r"prompt\[1\] must be"):

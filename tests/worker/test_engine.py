@@ -179,8 +179,14 @@ def test_stop_string_across_tokens_is_withheld(llama):
     text2, res2 = run(eng2)[1]
     assert res2["finish_reason"] == "stop"
     assert text2 == text[: text.find(stop)]
-    with pytest.raises(Unsaveable, match="stop string"):
-        eng2.export_checkpoint("s")
+    # The session stays warm and saveable: it keeps the tokens whose text is visible.
+    committed = res2["committed_tokens"]
+    generated = res2["generated_token_ids"]
+    assert committed < len(generated)
+    assert eng2.session_tokens("s") == prompt_ids(10, 9) + generated[:committed]
+    kept = eng2.tokenizer.decode(generated[:committed])
+    assert text2.startswith(kept) and eng2.tokenizer.decode(generated[: committed + 1]) != kept
+    assert eng2.export_checkpoint("s").position == 10 + committed
 
 
 def test_eos_stops_and_length_limits(llama):
@@ -218,12 +224,14 @@ def test_cancel_takes_effect_within_one_step_and_spares_others(llama):
     assert done[1]["finish_reason"] == "cancelled"
     res = run(eng)
     assert res[2][1]["finish_reason"] == "length" and res[2][1]["completion_tokens"] == 20
-    with pytest.raises(Unsaveable, match="cancelled"):
-        eng.export_checkpoint("a")
-    # A later clean turn makes it saveable again.
+    # A cancelled turn keeps the prompt and the tokens sampled so far, and stays saveable.
+    generated = done[1]["generated_token_ids"]
+    assert done[1]["committed_tokens"] == len(generated) > 0
+    assert eng.session_tokens("a") == prompt_ids(10, 1) + generated
+    ck = eng.export_checkpoint("a")
+    assert ck.token_ids.tolist() == (prompt_ids(10, 1) + generated)[: ck.position]
     eng.submit(3, "a", eng.session_tokens("a") + [5], greedy(2))
-    run(eng)
-    assert eng.export_checkpoint("a").position > 0
+    assert run(eng)[3][1]["prefilled_prompt_tokens"] == 2  # the last sampled token, then the new one
 
 
 def test_close_and_reset_cancel_their_own_request_only(llama):
@@ -349,10 +357,10 @@ def test_restore_validation_leaves_id_unused(mistral, llama):
     eng.open_session("s")
     eng.submit(1, "s", prompt_ids(40, 13), greedy(4))
     run(eng)
-    ck = eng.export_checkpoint("s")  # position 43, window 16: earliest partial restore is 43
+    ck = eng.export_checkpoint("s")  # position 43, window 16: W rows kept, earliest partial restore is 42
     other = make(mistral)
     with pytest.raises(CheckpointRejected):
-        other.restore_checkpoint("r", ck, ck.position - 1)
+        other.restore_checkpoint("r", ck, ck.position - 2)
     with pytest.raises(SessionNotFound):
         other.session_tokens("r")
     other.restore_checkpoint("r", ck, ck.position)
@@ -379,3 +387,17 @@ def test_generation_right_after_a_cancel_is_accepted(llama):
     res = run(eng)
     assert res[1][1]["finish_reason"] == "cancelled"
     assert res[2][1]["finish_reason"] == "length"
+
+
+def test_the_result_carries_exactly_the_fields_the_client_reads(llama):
+    """One contract for a done result: the engine builds every field of the client's GenerationResult
+    (draft counts and committed_tokens included), and nothing else."""
+    from muxworker.client.params import RESULT_FIELDS, GenerationResult
+
+    eng = make(llama)
+    eng.open_session("s")
+    eng.submit(1, "s", prompt_ids(8, 40), greedy(3))
+    result = run(eng)[1][1]
+    assert set(result) == set(RESULT_FIELDS)
+    parsed = GenerationResult.from_wire(result, result["generated_token_ids"])
+    assert parsed.committed_tokens == 3 and parsed.draft_proposed_tokens == 0

@@ -41,7 +41,7 @@ def test_greedy_chat_continuations_match_transformers(engine, reference):
     tok, model = reference
     for i, messages in enumerate(CHATS):
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = engine.tokenizer.encode(text)
+        ids = engine.tokenizer.encode(text, parse_special=True)
         assert ids == tok(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)

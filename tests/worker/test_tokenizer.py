@@ -85,15 +85,15 @@ def reference_tokenizer(transformers_gguf_tokenizer):
 @pytest.mark.slow
 @pytest.mark.parametrize("text", CORPUS)
 def test_encode_equals_reference(tokenizer: Tokenizer, reference_tokenizer, text: str) -> None:
-    assert tokenizer.encode(text) == reference_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text, parse_special=True) == reference_tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.slow
 def test_only_digit_splitting_differs_from_transformers_gguf(tokenizer: Tokenizer, transformers_gguf_tokenizer) -> None:
-    differing = [t for t in CORPUS if tokenizer.encode(t) != transformers_gguf_tokenizer.encode(t, add_special_tokens=False)]
+    differing = [t for t in CORPUS if tokenizer.encode(t, parse_special=True) != transformers_gguf_tokenizer.encode(t, add_special_tokens=False)]
     assert all(any(c.isdigit() for c in t) for t in differing), differing
     # The known case: two spaces before a digit are one token ("ĠĠ") when digits split first.
-    ours = [tokenizer.id_to_token(i) for i in tokenizer.encode("x  1")]
+    ours = [tokenizer.id_to_token(i) for i in tokenizer.encode("x  1", parse_special=True)]
     theirs = transformers_gguf_tokenizer.convert_ids_to_tokens(
         transformers_gguf_tokenizer.encode("x  1", add_special_tokens=False)
     )
@@ -104,25 +104,42 @@ def test_only_digit_splitting_differs_from_transformers_gguf(tokenizer: Tokenize
 @pytest.mark.slow
 @pytest.mark.parametrize("text", CORPUS)
 def test_decode_round_trips_and_equals_transformers(tokenizer: Tokenizer, reference_tokenizer, text: str) -> None:
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, parse_special=True)
     assert tokenizer.decode(ids) == text
     assert tokenizer.decode(ids) == reference_tokenizer.decode(ids)
     assert tokenizer.decode(ids, skip_special_tokens=True) == reference_tokenizer.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("text", CORPUS)
+def test_plain_text_never_yields_special_tokens(tokenizer: Tokenizer, reference_tokenizer, text: str) -> None:
+    """Markers in plain text (user text, tool output) are characters, not role turns: the oracle is
+    transformers with split_special_tokens=True."""
+    ids = tokenizer.encode(text)
+    assert not {0, 1, 2} & set(ids)  # <|endoftext|>, <|im_start|>, <|im_end|>
+    assert tokenizer.decode(ids) == text
+    reference_tokenizer.split_special_tokens = True
+    try:
+        assert ids == reference_tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        reference_tokenizer.split_special_tokens = False
+
+
 def test_special_tokens(tokenizer: Tokenizer) -> None:
-    assert tokenizer.encode("<|im_start|>") == [1]
-    assert tokenizer.encode("<|im_end|><|endoftext|>") == [2, 0]
+    assert tokenizer.encode("<|im_start|>") == tokenizer.encode("<|im_start|>", parse_special=False)
+    assert 1 not in tokenizer.encode("<|im_start|>user")
+    assert tokenizer.encode("<|im_start|>", parse_special=True) == [1]
+    assert tokenizer.encode("<|im_end|><|endoftext|>", parse_special=True) == [2, 0]
     assert tokenizer.bos_token_id == 1
     assert tokenizer.eos_token_ids == [2, 0]  # <|im_end|>, <|endoftext|>
     assert tokenizer.vocab_size == 49152
     # SmolLM2 adds no BOS even when asked for special tokens (tokenizer.ggml.add_bos_token = false).
-    assert tokenizer.encode("hi", add_special_tokens=True) == tokenizer.encode("hi")
+    assert tokenizer.encode("hi", add_special_tokens=True, parse_special=True) == tokenizer.encode("hi", parse_special=True)
     assert tokenizer.decode([1, 2], skip_special_tokens=True) == ""
     # A tokenizer_config asking for BOS whose tokenizer.json does not add it: we add it, once.
     with_bos = Tokenizer(tokenizer.backend, tokenizer_config={"add_bos_token": True, "bos_token": "<|im_start|>"})
-    assert with_bos.encode("hi", add_special_tokens=True) == [1, *tokenizer.encode("hi")]
-    assert with_bos.encode("hi") == tokenizer.encode("hi")
+    assert with_bos.encode("hi", add_special_tokens=True, parse_special=True) == [1, *tokenizer.encode("hi", parse_special=True)]
+    assert with_bos.encode("hi", parse_special=True) == tokenizer.encode("hi", parse_special=True)
 
 
 @pytest.mark.slow
@@ -130,7 +147,7 @@ def test_transformers_reads_our_tokenizer_files(smollm_dir: Path, tokenizer: Tok
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoTokenizer.from_pretrained(smollm_dir)
     for text in CORPUS:
-        assert theirs.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+        assert theirs.encode(text, add_special_tokens=False) == tokenizer.encode(text, parse_special=True)
     assert theirs.eos_token == "<|im_end|>"
     for messages in CONVERSATIONS:
         assert theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
@@ -232,7 +249,7 @@ STREAMS = [
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
 @pytest.mark.parametrize("text", STREAMS)
 def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text: str, skip_special_tokens: bool) -> None:
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, parse_special=True)
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     deltas = [detok.push(i) for i in ids]
     deltas.append(detok.flush())
@@ -243,8 +260,8 @@ def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text:
 
 @pytest.mark.parametrize("text", STREAMS)
 def test_incremental_detokenizer_chunks_and_prompt_context(tokenizer: Tokenizer, text: str) -> None:
-    prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    ids = tokenizer.encode(text)
+    prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
+    ids = tokenizer.encode(text, parse_special=True)
     detok = IncrementalDetokenizer(tokenizer, prompt)
     deltas = [detok.push(ids[i : i + 3]) for i in range(0, len(ids), 3)]
     deltas.append(detok.flush())
@@ -253,7 +270,7 @@ def test_incremental_detokenizer_chunks_and_prompt_context(tokenizer: Tokenizer,
 
 
 def test_incremental_detokenizer_flushes_incomplete_bytes(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("ok 😀")
+    ids = tokenizer.encode("ok 😀", parse_special=True)
     partial = ids[:-1]  # the emoji's bytes span tokens; drop the last one
     assert tokenizer.decode(partial).endswith("\ufffd")
     detok = IncrementalDetokenizer(tokenizer)
@@ -272,7 +289,7 @@ def test_incremental_detokenizer_decodes_a_bounded_window(tokenizer: Tokenizer) 
             return super().decode(ids, skip_special_tokens)
 
     counting = Counting(tokenizer.backend)
-    ids = tokenizer.encode(STREAMS[2] * 5)
+    ids = tokenizer.encode(STREAMS[2] * 5, parse_special=True)
     detok = IncrementalDetokenizer(counting)
     assert "".join(detok.push(i) for i in ids) + detok.flush() == tokenizer.decode(ids)
     assert len(ids) > 300
@@ -290,9 +307,9 @@ def test_tiny_gguf_tokenizer_equals_transformers(tmp_path: Path, pre: str) -> No
     ours = Tokenizer.from_dir(convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=None))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     for text in [*CORPUS, "the thing 12 1 121  1", "<think>inside</think> the"]:
-        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
-        assert ours.decode(ours.encode(text)) == text
-    assert ours.encode("<think>") == [267]  # a user-defined token stays whole
+        assert ours.encode(text, parse_special=True) == theirs.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text, parse_special=True)) == text
+    assert ours.encode("<think>", parse_special=True) == [267]  # a user-defined token stays whole
     messages = CONVERSATIONS[2]
     assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
@@ -307,9 +324,9 @@ def test_tiny_gguf_add_bos_token(tmp_path: Path) -> None:
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     for text in ["the thing", "<|im_start|>the", ""]:
         # BOS exactly once, and only when special tokens are asked for.
-        assert ours.encode(text, add_special_tokens=True) == [1, *ours.encode(text)]
-        assert ours.encode(text, add_special_tokens=True) == theirs.encode(text, add_special_tokens=True)
-        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=True, parse_special=True) == [1, *ours.encode(text, parse_special=True)]
+        assert ours.encode(text, add_special_tokens=True, parse_special=True) == theirs.encode(text, add_special_tokens=True)
+        assert ours.encode(text, parse_special=True) == theirs.encode(text, add_special_tokens=False)
 
 
 def test_tiny_gguf_pre_tokenizers_split_digits_differently(tmp_path: Path) -> None:
@@ -317,7 +334,7 @@ def test_tiny_gguf_pre_tokenizers_split_digits_differently(tmp_path: Path) -> No
     for pre in ["gpt2", "llama-bpe", "smollm"]:
         write_tiny_gguf(tmp_path / f"{pre}.gguf", pre=pre)
         tok = Tokenizer.from_dir(convert_gguf(tmp_path / f"{pre}.gguf", tmp_path / pre, progress=None))
-        pieces[pre] = [tok.id_to_token(i) for i in tok.encode("a 12")]
+        pieces[pre] = [tok.id_to_token(i) for i in tok.encode("a 12", parse_special=True)]
     assert pieces == {
         "gpt2": ["a", "Ġ1", "2"],  # " ?\p{N}+" keeps the space with the digits
         "llama-bpe": ["a", "Ġ", "12"],  # "\p{N}{1,3}" without the space

@@ -1,0 +1,126 @@
+"""The sampling fields of a ``generate`` request: names, defaults and valid ranges, defined once.
+
+Both ends use this one definition: the worker's ``SamplingParams`` is this dataclass, the client's
+``GenerationParams`` takes its defaults from it, and the schema's ``generate`` entry lists exactly
+these fields (a test checks all three agree). Adding a sampling knob means one field here, its check
+in :meth:`SamplingFields.validate`, the engine's use of it, and a line in docs/PROTOCOL.md.
+
+Rules a caller can rely on:
+
+- ``temperature`` below :data:`TEMPERATURE_FLOOR` (including 0) is greedy: dividing logits by a tiny
+  positive temperature overflows to inf and NaN, so such values are treated as the limit they
+  approach (the argmax), as vLLM does.
+- Penalties follow the conventions clients already use: ``repetition_penalty`` (Hugging Face/vLLM,
+  > 0, 1 = off) divides positive and multiplies negative logits of every token seen in the prompt or
+  the output; ``presence_penalty`` and ``frequency_penalty`` (OpenAI, in [-2, 2], 0 = off) subtract
+  from the logits of tokens already generated, once and per occurrence.
+- ``min_p`` (in [0, 1], 0 = off) drops tokens whose probability is below ``min_p`` times the most
+  likely token's, after temperature.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidArgument
+
+__all__ = ["SamplingFields", "TEMPERATURE_FLOOR", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SAMPLING_FIELD_NAMES"]
+
+TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
+MAX_REPETITION_PENALTY = 100.0  # beyond this every seen token is effectively banned; refuse absurd values
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class SamplingFields:
+    """What a generation asks for. Validated by :meth:`validate` before any work."""
+
+    max_new_tokens: int = 256  # -1: the rest of the session's context
+    temperature: float = 0.0  # below TEMPERATURE_FLOOR: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    min_p: float = 0.0  # 0: no min-p filter
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None  # None: the model's EOS tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < TEMPERATURE_FLOOR
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (they then depend on the tokens before each position)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def from_wire(cls, control: dict[str, Any]) -> "SamplingFields":
+        kw = {k: control[k] for k in SAMPLING_FIELD_NAMES if k in control}
+        if kw.get("stop") is None:
+            kw.pop("stop", None)
+        params = cls(**kw)
+        params.validate()
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidArgument` naming the first field that is out of range."""
+        if not _is_int(self.max_new_tokens) or (self.max_new_tokens < 1 and self.max_new_tokens != -1):
+            raise InvalidArgument(f"max_new_tokens must be a positive integer or -1, got {self.max_new_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidArgument(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidArgument(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {self.repetition_penalty!r}"
+            )
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not lo <= value <= hi:
+                raise InvalidArgument(f"{name} must be in [{lo:g}, {hi:g}] (0 = off), got {value!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise InvalidArgument(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        if (
+            not isinstance(self.stop, (list, tuple))
+            or len(self.stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
+        ):
+            raise InvalidArgument(
+                f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                f"{MAX_STOP_STRING_CHARS} characters, got {self.stop!r:.200}"
+            )
+        if self.stop_token_ids is not None:
+            if (
+                not isinstance(self.stop_token_ids, (list, tuple))
+                or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or not all(_is_int(t) for t in self.stop_token_ids)
+            ):
+                raise InvalidArgument(
+                    f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} integers, "
+                    f"got {self.stop_token_ids!r:.200}"
+                )
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+                raise InvalidArgument(f"stop_token_ids must lie in [0, {vocab_size})")
+
+
+SAMPLING_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingFields))
