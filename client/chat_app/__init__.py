@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from muxworker.client import GenerationParams, GenerationResult, GenerationStream, MultiplexedWorkerClient
+from muxworker.client import GenerationParams, GenerationResult, GenerationStream, MultiplexedWorkerClient, SpecialText
 
 __all__ = [
     "Conversation",
@@ -102,7 +102,8 @@ class Conversation:
             return [list(rendered.token_ids)]
         prev_text = await client.detokenize(self.history_ids)
         if rendered.text.startswith(prev_text):
-            suffix = rendered.text[len(prev_text) :]
+            # The template's own text: its markers must be the real special tokens.
+            suffix = SpecialText(rendered.text[len(prev_text) :])
             return [list(self.history_ids), suffix] if suffix else [list(self.history_ids)]
         # The template rewrote earlier text (e.g. it drops old reasoning): fall back to a full
         # render; the worker reuses the longest common prefix it still holds.

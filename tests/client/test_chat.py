@@ -303,3 +303,20 @@ def test_sampling_follows_the_generation_config_then_the_chat_defaults(tmp_path)
     assert chat_sampling(tmp_path, {**no_flags, "temperature": 0.2})[0]["temperature"] == 0.2  # a flag wins
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     assert chat_sampling(tmp_path, no_flags)[0]["temperature"] == 0.0  # the model asks for greedy
+
+
+async def test_the_next_turn_carries_the_templates_real_markers(tiny_llama_dir):
+    """The text the chat template adds after the history is sent as SpecialText, so its role markers
+    are the special tokens a full render would give, not their characters."""
+    from muxworker.chat import Conversation
+    from muxworker.client import GenerationParams, default_worker_command, spawn_multiplexed_worker
+
+    async with spawn_multiplexed_worker(default_worker_command(tiny_llama_dir)) as client:
+        await client.open_session("c")
+        conv = Conversation("c")
+        await conv.send(client, "hello", GenerationParams("c", max_new_tokens=4, temperature=0.0))
+        segments = await conv.prompt_for(client, "and again")
+        assert len(segments) == 2 and isinstance(segments[1], str)
+        suffix_ids = await client.tokenize(segments[1])
+        im_start = (await client.tokenize("<|im_start|>", parse_special=True))[0]
+        assert im_start in suffix_ids
