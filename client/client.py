@@ -13,9 +13,22 @@ Tasks of one client, all inside the client's own cancel scope:
 - the **watcher** notices the worker's exit, and the **loss handler** settles every pending request
   once the connection is gone: with :class:`ClientClosedError` after :meth:`close`, otherwise with
   :class:`WorkerDiedError` (its exit status and stderr tail); every later call raises the same.
+- the **liveness watchdog** (unless ``liveness_timeout=None``): while any request is pending, a
+  worker that sends nothing (no reply, no token, no heartbeat, no byte of a large frame) for
+  ``liveness_timeout`` seconds is declared dead, ``WorkerDiedError("no heartbeat for N s")``, and
+  killed with SIGKILL (a stopped process ignores SIGTERM). The worker writes a heartbeat from a
+  thread of its own while it is busy (``--heartbeat_ms``, added to its command line by the spawn),
+  so a long forward pass does not count as silence; the timeout only has to exceed the longest
+  stall of the worker process as a whole.
 
 The child process is always reaped (terminate, then kill after a grace period) in a shielded scope,
 also when the caller is cancelled.
+
+Checkpoint calls (export, restore, save, resume) are cancellable until their transfer starts:
+while queued behind other checkpoint operations, while a resume reads its file, and until the
+first byte of the request frame is written. From then on a cancel waits for the transfer to settle
+(so a save never leaves half a result behind); a worker that stops answering ends it through the
+liveness rule.
 """
 from __future__ import annotations
 
@@ -24,6 +37,7 @@ import logging
 import math
 import numbers
 import os
+import select
 import subprocess
 import sys
 from collections import deque
@@ -38,10 +52,10 @@ from muxworker.transport.errors import InvalidArgument, MuxError, ProtocolError,
 from muxworker.transport.fdio import make_pipe, worker_fd_args
 from muxworker.transport.framing import Frame, attach_payload, payload_array
 from muxworker.transport.prompt import SpecialText
-from muxworker.transport.schema import check_hello, validate
+from muxworker.transport.schema import MAX_SESSION_ID_BYTES, check_hello, validate
 from muxworker.transport.trio_stream import TrioFrameReader, TrioFrameWriter
 
-from .errors import ClientClosedError, SlowConsumer, WorkerDiedError, WorkerStartupError
+from .errors import ClientClosedError, ContextOverflow, SlowConsumer, WorkerDiedError, WorkerStartupError
 from .params import ChatPrompt, GenerationResult, WorkerInfo, params_to_wire
 
 if TYPE_CHECKING:
@@ -54,6 +68,7 @@ __all__ = [
     "default_worker_command",
     "DEFAULT_STARTUP_TIMEOUT",
     "DEFAULT_STREAM_BUFFER",
+    "DEFAULT_LIVENESS_TIMEOUT",
 ]
 
 WORKER_LOG = logging.getLogger("muxworker.worker")
@@ -61,6 +76,9 @@ WORKER_LOG = logging.getLogger("muxworker.worker")
 DEFAULT_STARTUP_TIMEOUT = 300.0  # the first start converts the bundled GGUF
 DEFAULT_STREAM_BUFFER = 1024  # token frames buffered per stream before it is cancelled as a slow consumer
 DEFAULT_CLOSE_TIMEOUT = 10.0  # how long close() lets the worker settle its requests and exit
+# Heartbeats come from a thread of their own, so a long forward pass does not delay them; this only
+# has to cover a stall of the whole worker process (swapping, a GIL-holding call, an overloaded host).
+DEFAULT_LIVENESS_TIMEOUT = 10.0
 KILL_GRACE = 5.0  # between SIGTERM and SIGKILL
 STDERR_TAIL_LINES = 50
 _STDERR_MAX_LINE = 64 * 1024
@@ -101,7 +119,9 @@ class _State(enum.Enum):
 class _Request:
     """One request in flight: its outgoing frame, its token mailbox and how it ended."""
 
-    __slots__ = ("rid", "kind", "expect", "frame", "state", "send", "recv", "settled", "value", "error", "cancel_sent")
+    __slots__ = (
+        "rid", "kind", "expect", "frame", "state", "send", "recv", "settled", "value", "error", "cancel_sent", "launched",
+    )
 
     def __init__(self, rid: int, kind: str, expect: frozenset[str], frame: Frame, buffer: int) -> None:
         self.rid = rid
@@ -115,6 +135,7 @@ class _Request:
         self.value: Any = None  # the parsed final reply
         self.error: BaseException | None = None  # why it failed; None with no value: the client is unusable
         self.cancel_sent = False
+        self.launched = trio.Event()  # set once it is SENT (its frame is being written) or settled
 
 
 _ABANDONED = object()  # the value of a request whose caller stopped waiting
@@ -260,9 +281,11 @@ class MultiplexedWorkerClient:
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         stream_buffer: int = DEFAULT_STREAM_BUFFER,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> None:
-        _check_spawn_args(worker_command, stream_buffer)
+        _check_spawn_args(worker_command, stream_buffer, startup_timeout, close_timeout, liveness_timeout)
         self._command = [os.fspath(a) for a in worker_command]
+        self._liveness_timeout = liveness_timeout
         self.session_store = session_store
         self._env = dict(env) if env is not None else None
         self._cwd = cwd
@@ -291,6 +314,10 @@ class MultiplexedWorkerClient:
         self._closed = trio.Event()
         # Serializes every checkpoint operation, high-level and advanced (FIFO: trio.Lock is fair).
         self._checkpoint_lock = trio.Lock()
+        # Liveness: when _pending last became non-empty, and an event that wakes the idle watchdog.
+        self._pending_since = 0.0
+        self._work_arrived = trio.Event()
+        self._hung = False  # declared dead for silence: reaped with SIGKILL at once
 
     # -- public state -----------------------------------------------------------------------
 
@@ -333,6 +360,8 @@ class MultiplexedWorkerClient:
                         nursery.start_soon(self._read_loop)
                         nursery.start_soon(self._write_loop)
                         nursery.start_soon(self._handle_loss)
+                        if self._liveness_timeout is not None:
+                            nursery.start_soon(self._watch_liveness, self._liveness_timeout)
                         task_status.started()
                 if startup_error is not None:
                     raise startup_error
@@ -351,7 +380,7 @@ class MultiplexedWorkerClient:
         child_ends = (control_read, reply_write)
         try:
             self._process = await trio.lowlevel.open_process(
-                [*self._command, *worker_fd_args(control_read, reply_write)],
+                [*self._command, *worker_fd_args(control_read, reply_write), *self._heartbeat_args()],
                 stdin=subprocess.DEVNULL,
                 # stdout and stderr share one pipe: the worker points its fd 1 at stderr anyway, and a
                 # print before that (a wrapper script, a site hook) is captured the same way.
@@ -373,6 +402,14 @@ class MultiplexedWorkerClient:
                 os.close(fd)
         self._reader = TrioFrameReader(trio.lowlevel.FdStream(reply_read))
         self._writer = TrioFrameWriter(trio.lowlevel.FdStream(control_write))
+
+    def _heartbeat_args(self) -> list[str]:
+        """Announce protocol 1.1 and ask for heartbeats: several per liveness_timeout, so that one
+        late beat is not a death (0: none, with the watchdog off)."""
+        if self._liveness_timeout is None:
+            return ["--heartbeat_ms", "0"]
+        interval_ms = min(1000, max(10, int(self._liveness_timeout * 1000 / 5)))
+        return ["--heartbeat_ms", str(interval_ms)]
 
     async def _handshake(self) -> None:
         """Read the hello; on anything else stop the worker and raise :class:`WorkerStartupError`."""
@@ -411,10 +448,10 @@ class MultiplexedWorkerClient:
         process = self._process
         if process is None:
             return
-        if wait_first and process.returncode is None:
+        if wait_first and process.returncode is None and not self._hung:
             with trio.move_on_after(wait_first):
                 await process.wait()
-        if process.returncode is None:
+        if process.returncode is None and not self._hung:
             process.terminate()
             with trio.move_on_after(KILL_GRACE):
                 await process.wait()
@@ -503,6 +540,7 @@ class MultiplexedWorkerClient:
                     continue  # cancelled or abandoned before it was sent: it stays local
                 request = item
                 request.state = _State.SENT
+                request.launched.set()
                 frame, request.frame = request.frame, None
             else:
                 frame = Frame({"kind": "cancel", "id": item})
@@ -517,6 +555,30 @@ class MultiplexedWorkerClient:
                 self._connection_lost(f"writing to the worker failed: {exc}")
                 return
 
+    async def _watch_liveness(self, timeout: float) -> None:
+        """Declare the worker dead after ``timeout`` seconds without a byte from it while requests are
+        pending (see the module docstring)."""
+        assert self._reader is not None
+        reader = self._reader
+        while not self._lost.is_set():
+            if not self._pending:
+                self._work_arrived = trio.Event()
+                await self._work_arrived.wait()
+                continue
+            heard = reader.last_received_at
+            quiet_since = self._pending_since if heard is None else max(heard, self._pending_since)
+            deadline = quiet_since + timeout
+            if trio.current_time() < deadline:
+                await trio.sleep_until(deadline)
+                continue
+            if _readable(reader.stream.fileno()):
+                # Bytes wait unread (this process was the slow one): let the reader take them.
+                await trio.sleep(0.01)
+                continue
+            self._hung = True
+            self._connection_lost(f"no heartbeat for {timeout:g} s")
+            return
+
     def _connection_lost(self, reason: str) -> None:
         if not self._lost.is_set():
             self._lost_reason = reason
@@ -527,6 +589,8 @@ class MultiplexedWorkerClient:
         arrive (briefly), stop the worker if it still runs, then settle everything pending."""
         await self._lost.wait()
         with trio.CancelScope(shield=True):
+            if self._hung:
+                await self._reap()  # a stopped worker writes nothing more: no reason to wait first
             with trio.move_on_after(_LOSS_SETTLE_S):
                 await self._reader_done.wait()
             # After close() the worker is settling and exiting on its own; give it the time it asked for.
@@ -560,6 +624,8 @@ class MultiplexedWorkerClient:
         control = frame.control
         kind = control["kind"]
         rid = control.get("id", 0)
+        if kind == "heartbeat":
+            return  # it only shows liveness, which every byte received does (_watch_liveness)
         if kind == "hello":
             raise ProtocolError("the worker sent a second hello")
         if kind == "error" and rid == 0:
@@ -610,6 +676,7 @@ class MultiplexedWorkerClient:
         request.error = error
         request.frame = None
         self._pending.pop(request.rid, None)
+        request.launched.set()
         request.send.close()  # wakes its reader: buffered tokens first, then EndOfChannel
 
     # -- requests ------------------------------------------------------------------------------
@@ -629,6 +696,9 @@ class MultiplexedWorkerClient:
         rid = self._last_id
         frame = Frame({"kind": kind, "id": rid, **fields}, payloads or [])
         request = _Request(rid, kind, frozenset((expect,)), frame, buffer)
+        if not self._pending:
+            self._pending_since = trio.current_time()  # the liveness clock starts now, not at the last frame
+            self._work_arrived.set()
         self._pending[rid] = request
         self._outbox_send.send_nowait(request)
         return request
@@ -663,6 +733,26 @@ class MultiplexedWorkerClient:
                 # Cancelled while waiting. Unsent: it never leaves. Sent: its reply will be dropped.
                 self._settle(request, value=_ABANDONED)
 
+    async def _transfer(
+        self, kind: str, fields: dict[str, Any], payloads: list[Any] | None = None, *, expect: str
+    ) -> Any:
+        """Like :meth:`_call`, for checkpoint transfers: cancellable until the request frame starts to
+        be written (then it is never sent); from then on shielded until the reply, or the worker's
+        death (the liveness rule), settles it, and a cancel takes effect at the next checkpoint."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        request = self._submit(kind, fields, payloads, expect=expect)
+        try:
+            await request.launched.wait()
+        except trio.Cancelled:
+            if request.state is not _State.SENT or request.settled:
+                self._settle(request, value=_ABANDONED)  # still queued: it never leaves
+                raise
+            # The cancel met the start of the write: the transfer has begun, so it settles first.
+        with trio.CancelScope(shield=True):
+            while await self._next_token_frame(request) is not None:
+                pass
+        return self._outcome(request)
+
     def _cancel_request(self, request: _Request) -> None:
         if request.settled:
             return
@@ -681,14 +771,17 @@ class MultiplexedWorkerClient:
 
     async def open_session(self, session_id: str) -> None:
         """Open an empty session (raises SessionExists, CapacityExhausted)."""
+        _check_session_id(session_id)
         await self._call("open", {"session_id": session_id}, expect="ok")
 
     async def close_session(self, session_id: str) -> None:
         """Close a session; its running generation, if any, ends "cancelled" first."""
+        _check_session_id(session_id)
         await self._call("close", {"session_id": session_id}, expect="ok")
 
     async def reset_session(self, session_id: str) -> None:
         """Forget a session's history and keep it open; its running generation ends "cancelled" first."""
+        _check_session_id(session_id)
         await self._call("reset", {"session_id": session_id}, expect="ok")
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: Any) -> GenerationStream:
@@ -696,9 +789,20 @@ class MultiplexedWorkerClient:
 
         ``prompt``: text, a list of token ids (sent as an int32 payload), or a list of segments
         (each text or token ids). ``params``: a :class:`GenerationParams` or any object with its
-        attributes (``session_id`` required; missing ones take the worker's defaults).
+        attributes (``session_id`` required; missing ones take the worker's defaults). Raises
+        InvalidArgument for a malformed prompt or params, and ContextOverflow for token ids that
+        alone exceed the worker's max_session_tokens (before converting them: 16M of them would
+        hold this trio thread for seconds).
         """
         session_id, fields = params_to_wire(params)
+        _check_session_id(session_id)
+        room = self.info.limits.get("max_session_tokens") if self.info is not None else None
+        given = _given_token_count(prompt)
+        if isinstance(room, int) and given >= room:
+            raise ContextOverflow(
+                f"the prompt has at least {given} tokens; a session holds at most {room} (max_session_tokens), "
+                "prompt plus generated tokens"
+            )
         payloads: list[Any] = []
         segments = _prompt_segments(prompt, payloads)
         request = self._submit(
@@ -713,6 +817,11 @@ class MultiplexedWorkerClient:
     async def tokenize(self, text: str, *, add_special_tokens: bool = False, parse_special: bool | None = None) -> list[int]:
         """Token ids of ``text``. Special-token markers in it are parsed only with ``parse_special``
         (default: when ``text`` is a :class:`SpecialText`), as in prompts."""
+        if not isinstance(text, str):
+            raise InvalidArgument(f"text must be a str, got {type(text).__name__}")
+        add_special_tokens = _check_bool("add_special_tokens", add_special_tokens)
+        if parse_special is not None:
+            parse_special = _check_bool("parse_special", parse_special)
         if parse_special is None:
             parse_special = isinstance(text, SpecialText)
         fields = {"text": str(text) if isinstance(text, str) else text, "add_special_tokens": add_special_tokens}
@@ -730,11 +839,16 @@ class MultiplexedWorkerClient:
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> ChatPrompt:
         """Render ``messages`` with the model's chat template (in the worker); returns (text, token_ids)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise InvalidArgument(f"messages must be a list of {{'role', 'content'}} maps, got {type(messages).__name__}")
+        if (
+            isinstance(messages, (str, bytes))
+            or not isinstance(messages, Sequence)
+            or not all(isinstance(m, Mapping) for m in messages)
+        ):
+            raise InvalidArgument(f"messages must be a list of {{'role', 'content'}} maps, got {messages!r:.200}")
+        add_generation_prompt = _check_bool("add_generation_prompt", add_generation_prompt)
         ids, text = await self._call(
             "chat_template",
-            {"messages": [dict(m) for m in messages], "add_generation_prompt": bool(add_generation_prompt)},
+            {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt},
             expect="tokens",
         )
         return ChatPrompt(text if text is not None else "", ids)
@@ -750,12 +864,15 @@ class MultiplexedWorkerClient:
     ) -> CPUCheckpoint:
         """An independent host copy of an idle session's committed state (up to ``position``).
 
-        Queued behind other checkpoint operations (cancellable while queued); once the transfer has
-        started, a cancel waits for it to settle.
+        Queued behind other checkpoint operations. Cancellable until the transfer starts (while
+        queued, and until the request is written); after that a cancel waits for it to settle,
+        which the liveness rule bounds.
         """
+        _check_session_id(session_id)
+        position = _check_position(position, optional=True)
+        _check_identity_arg("identity", identity)
         async with self._checkpoint_lock:
-            with trio.CancelScope(shield=True):
-                return await self._export(session_id, position, identity)
+            return await self._export(session_id, position, identity)
 
     async def restore_checkpoint_from_cpu(
         self,
@@ -764,27 +881,43 @@ class MultiplexedWorkerClient:
         position: int | None = None,
         expected_identity: str | None = None,
     ) -> None:
-        """Restore ``checkpoint`` up to ``position`` (default: all of it) into the unused session id."""
+        """Restore ``checkpoint`` up to ``position`` (default: all of it) into the unused session id.
+
+        Cancellable until the transfer starts, like :meth:`export_checkpoint_to_cpu`."""
+        if not isinstance(checkpoint, CPUCheckpoint):
+            raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
+        _check_session_id(session_id)
+        position = _check_position(position, optional=True)
+        _check_identity_arg("expected_identity", expected_identity)
         _check_identity(checkpoint, expected_identity)
         async with self._checkpoint_lock:
-            with trio.CancelScope(shield=True):
-                await self._restore(checkpoint, session_id, position)
+            await self._restore(checkpoint, session_id, position)
 
     async def save_session(self, session_id: str) -> None:
-        """Export the idle session and atomically replace its file in the session store."""
+        """Export the idle session and atomically replace its file in the session store.
+
+        Cancellable while queued behind other checkpoint operations and until the export request
+        is written; after that it runs to its end (the file is written) and a cancel takes effect
+        at the caller's next checkpoint. A worker that stops answering ends it with WorkerDiedError.
+        """
+        _check_session_id(session_id)
         store = self._require_store()
         async with self._checkpoint_lock:
+            checkpoint = await self._export(session_id, None, store.identity)
             with trio.CancelScope(shield=True):
-                checkpoint = await self._export(session_id, None, store.identity)
                 await trio.to_thread.run_sync(store.save, session_id, checkpoint)
 
     async def resume_session(self, session_id: str) -> str:
-        """Load the session's file from the store and restore it into a new live session of that id."""
+        """Load the session's file from the store and restore it into a new live session of that id.
+
+        Cancellable while queued, while the file is read and until the restore request is written.
+        """
+        _check_session_id(session_id)
         store = self._require_store()
         async with self._checkpoint_lock:
-            with trio.CancelScope(shield=True):
-                checkpoint = await trio.to_thread.run_sync(store.load, session_id)
-                await self._restore(checkpoint, session_id, None)
+            # A cancel during the read takes effect when it returns, before anything is sent.
+            checkpoint = await trio.to_thread.run_sync(store.load, session_id)
+            await self._restore(checkpoint, session_id, None)
         return session_id
 
     def _require_store(self) -> SessionStore:
@@ -795,7 +928,7 @@ class MultiplexedWorkerClient:
         return self.session_store
 
     async def _export(self, session_id: str, position: int | None, identity: str | None) -> CPUCheckpoint:
-        frame = await self._call("export", {"session_id": session_id, "position": position}, expect="checkpoint")
+        frame = await self._transfer("export", {"session_id": session_id, "position": position}, expect="checkpoint")
         checkpoint = checkpoint_from_wire(frame.control["checkpoint"], frame.payloads)
         if identity is not None:
             checkpoint.identity = identity
@@ -808,12 +941,38 @@ class MultiplexedWorkerClient:
         if position is None:
             position = checkpoint.position
         manifest, payloads = checkpoint_to_wire(checkpoint)
-        await self._call(
+        await self._transfer(
             "restore",
             {"session_id": session_id, "position": position, "checkpoint": manifest},
             list(payloads),
             expect="ok",
         )
+
+
+def _check_session_id(session_id: Any) -> None:
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidArgument(f"session id must be a non-empty str, got {session_id!r:.200}")
+    if len(session_id) * 4 > MAX_SESSION_ID_BYTES and len(session_id.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
+        raise InvalidArgument(f"session id must be at most {MAX_SESSION_ID_BYTES} UTF-8 bytes")
+
+
+def _check_position(position: Any, *, optional: bool) -> int | None:
+    if position is None and optional:
+        return None
+    if isinstance(position, bool) or not isinstance(position, numbers.Integral) or position < 0:
+        raise InvalidArgument(f"position must be an int >= 0{' or None' if optional else ''}, got {position!r:.200}")
+    return int(position)
+
+
+def _check_identity_arg(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a str or None, got {type(value).__name__}")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(f"{name} must be a bool, got {value!r:.200}")
+    return bool(value)
 
 
 def _check_identity(checkpoint: CPUCheckpoint, expected: str | None) -> None:
@@ -866,10 +1025,30 @@ def _is_token_ids(value: Any) -> bool:
 def _token_array(ids: Any) -> np.ndarray:
     if not _is_token_ids(ids):
         raise InvalidArgument(f"token ids must be a list of integers, got {type(ids).__name__}")
-    array = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, dtype=np.int64)
+    if isinstance(ids, np.ndarray):
+        array = ids  # checked in its own dtype: no widened copy of a large prompt
+    else:
+        try:
+            array = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, dtype=np.int64)
+        except OverflowError:  # an id beyond int64
+            raise InvalidArgument(f"token ids must lie in [0, {_TOKEN_MAX}]") from None
     if array.size and (int(array.min()) < 0 or int(array.max()) > _TOKEN_MAX):
         raise InvalidArgument(f"token ids must lie in [0, {_TOKEN_MAX}]")
     return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def _given_token_count(prompt: Any) -> int:
+    """How many token ids ``prompt`` gives directly (text not counted), without looking at each id."""
+    def count(ids: Any) -> int:
+        if isinstance(ids, np.ndarray):
+            return len(ids) if ids.ndim == 1 else 0
+        return len(ids) if isinstance(ids, (list, tuple)) else 0
+
+    if isinstance(prompt, (str, np.ndarray)) or not isinstance(prompt, (list, tuple)) or not prompt:
+        return count(prompt) if isinstance(prompt, np.ndarray) else 0
+    if isinstance(prompt[0], numbers.Integral):  # flat token ids
+        return len(prompt)
+    return sum(count(segment) for segment in prompt if not isinstance(segment, str))
 
 
 def _text_segment(text: str) -> dict[str, Any]:
@@ -958,6 +1137,7 @@ def spawn_multiplexed_worker(
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     stream_buffer: int = DEFAULT_STREAM_BUFFER,
     close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     nursery: trio.Nursery | None = None,
 ) -> _Spawn:
     """Start a worker and connect to it once it has said hello.
@@ -966,7 +1146,11 @@ def spawn_multiplexed_worker(
     ``client = await spawn_multiplexed_worker(cmd, nursery=nursery)`` then ``await client.close()``.
     Raises :class:`WorkerStartupError` (with the worker's own message, exit status and stderr tail)
     when the worker fails before its hello. ``stream_buffer``: token frames a stream may hold unread
-    before it is cancelled as a slow consumer.
+    before it is cancelled as a slow consumer. ``liveness_timeout``: seconds of silence from a worker
+    with requests pending after which it is declared dead (``WorkerDiedError("no heartbeat for N
+    s")``, every pending call) and killed; None turns the rule off. The worker sends heartbeats
+    while busy, from a thread of its own, so the timeout need not cover a long forward pass.
+    Arguments are checked here and raise :class:`InvalidArgument`.
     """
     kwargs = dict(
         worker_command=worker_command,
@@ -976,13 +1160,42 @@ def spawn_multiplexed_worker(
         startup_timeout=startup_timeout,
         stream_buffer=stream_buffer,
         close_timeout=close_timeout,
+        liveness_timeout=liveness_timeout,
     )
-    _check_spawn_args(worker_command, stream_buffer)  # here rather than at the await
+    # here rather than at the await
+    _check_spawn_args(worker_command, stream_buffer, startup_timeout, close_timeout, liveness_timeout)
     return _Spawn(nursery, kwargs)
 
 
-def _check_spawn_args(worker_command: Sequence[str], stream_buffer: int) -> None:
-    if isinstance(worker_command, (str, bytes)) or not worker_command:
-        raise TypeError("worker_command must be a non-empty list of arguments, e.g. default_worker_command()")
+def _check_spawn_args(
+    worker_command: Any, stream_buffer: Any, startup_timeout: Any, close_timeout: Any, liveness_timeout: Any
+) -> None:
+    """InvalidArgument (a ValueError too, for callers that catch that) naming the bad argument."""
+    if (
+        isinstance(worker_command, (str, bytes))
+        or not isinstance(worker_command, Sequence)
+        or not worker_command
+        or not all(isinstance(a, (str, os.PathLike)) for a in worker_command)
+    ):
+        raise InvalidArgument(
+            f"worker_command must be a non-empty list of str arguments, e.g. default_worker_command(); got {worker_command!r:.200}"
+        )
     if isinstance(stream_buffer, bool) or not isinstance(stream_buffer, int) or stream_buffer < 1:
-        raise ValueError(f"stream_buffer must be a positive integer, got {stream_buffer!r}")
+        raise InvalidArgument(f"stream_buffer must be a positive integer, got {stream_buffer!r:.200}")
+    for name, value, optional in (
+        ("startup_timeout", startup_timeout, False),
+        ("close_timeout", close_timeout, False),
+        ("liveness_timeout", liveness_timeout, True),
+    ):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            what = "a positive number of seconds" + (" or None" if optional else "")
+            raise InvalidArgument(f"{name} must be {what}, got {value!r:.200}")
+
+
+def _readable(fd: int) -> bool:
+    """Whether bytes wait in ``fd`` (a poll that does not block)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+import numpy as np
 
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.sampling import SamplingFields
@@ -41,8 +44,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 
 def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
     """``(session_id, generate fields)`` of a params object. Only attributes present are sent, so
-    the worker's defaults apply to the rest; types are normalized (numpy scalars, tuples), values
-    are checked by the worker."""
+    the worker's defaults apply to the rest; types are normalized (numpy scalars, tuples) and
+    checked here, raising :class:`InvalidArgument` naming the field; value ranges are the worker's."""
     try:
         session_id = params.session_id
     except AttributeError:
@@ -51,23 +54,49 @@ def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
     for name in _INT_FIELDS:
         value = getattr(params, name, None)
         if value is not None:
-            fields[name] = int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+            fields[name] = _int(name, value)
     for name in _FLOAT_FIELDS:
         value = getattr(params, name, None)
         if value is not None:
-            fields[name] = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+            fields[name] = _float(name, value)
     seed = getattr(params, "seed", None)
     if seed is not None:
-        fields["seed"] = int(seed) if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) else seed
+        fields["seed"] = _int("seed", seed)
     stop = getattr(params, "stop", None)
     if stop is not None:
-        fields["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgument(f"stop must be a str or a list of str, got {stop!r:.200}")
+        fields["stop"] = [str(s) for s in stop]
     if hasattr(params, "stop_token_ids"):
         ids = params.stop_token_ids
-        fields["stop_token_ids"] = None if ids is None else [
-            int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids
-        ]
+        if ids is not None:
+            if isinstance(ids, np.ndarray):
+                ids = ids.tolist() if ids.ndim == 1 else ids
+            if not isinstance(ids, (list, tuple)):
+                raise InvalidArgument(f"stop_token_ids must be a list of int or None, got {ids!r:.200}")
+            ids = [_int("stop_token_ids", t) for t in ids]
+        fields["stop_token_ids"] = ids
     return session_id, fields
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgument(f"{name} must be an int, got {value!r:.200}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} must be a number, got {value!r:.200}")
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):  # an int too large for a float, an odd Real subclass
+        raise InvalidArgument(f"{name} must be a finite number, got {value!r:.200}") from None
+    if not math.isfinite(number):
+        raise InvalidArgument(f"{name} must be a finite number, got {value!r:.200}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -152,6 +181,7 @@ class WorkerInfo:
     device: str
     dtype: str
     limits: dict[str, Any] = field(default_factory=dict)
+    readiness: str = "ready"  # at the hello; a 1.0 worker does not say, and sends its hello when ready
 
     @classmethod
     def from_hello(cls, hello: dict[str, Any]) -> WorkerInfo:
@@ -178,4 +208,5 @@ class WorkerInfo:
             device=hello["device"],
             dtype=hello["dtype"],
             limits=dict(hello["limits"]),
+            readiness=hello.get("readiness", "ready"),
         )

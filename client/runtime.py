@@ -14,10 +14,14 @@ writing their own locks:
   ``session_busy``.
 - **Cancellation.** An operation still waiting in its lane when its caller is cancelled (or its
   stream's :meth:`RuntimeStream.cancel` is called) leaves the lane and never runs; its capacity is
-  free at once. Once it holds the lease, a cancelled lifecycle or checkpoint call returns to its
+  free at once. A checkpoint call (save, resume, export, restore) that holds its lease but has not
+  started its transfer (it waits in the client's checkpoint queue behind another session's, or its
+  request is not written yet) is cancelled with its caller and never starts. Once it holds the
+  lease, a cancelled lifecycle call, or a checkpoint call whose transfer has started, returns to its
   caller at once while the operation settles under the lease, so later operations on that session
   wait behind it; a cancelled generation is cancelled in the worker and holds the lease until the
-  worker has ended it. Nothing undoes a completed save or restore.
+  worker has ended it. Nothing undoes a completed save or restore. A worker that stops answering
+  ends every stuck operation with WorkerDiedError (the client's liveness rule), which frees them.
 
 Each operation holding a lease runs in a trio *system* task, so it outlives a cancelled caller (and
 the caller's nursery); :meth:`SessionRuntime.aclose_worker` waits for all of them before it closes
@@ -45,7 +49,7 @@ from .errors import (
     SlowConsumer,
     WorkerDiedError,
 )
-from .params import GenerationResult
+from .params import GenerationResult, params_to_wire
 
 __all__ = ["SessionRuntime", "RuntimeStream"]
 
@@ -59,11 +63,15 @@ class _State(enum.Enum):
 class _Op:
     """One admitted operation: what it runs, where it stands, and how it ended."""
 
-    __slots__ = ("session_id", "body", "state", "done", "value", "error", "on_settle", "cancel")
+    __slots__ = ("session_id", "body", "state", "done", "value", "error", "on_settle", "cancel", "scope", "follows_caller")
 
-    def __init__(self, session_id: str, body: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> None:
         self.session_id = session_id
         self.body = body
+        # Checkpoint calls: a cancelled caller cancels the body too (the client's checkpoint calls
+        # are cancellable until their transfer starts and shield themselves after that).
+        self.follows_caller = follows_caller
+        self.scope = trio.CancelScope()  # entered by the op's system task around the body
         self.state = _State.QUEUED
         self.done = trio.Event()
         self.value: Any = None
@@ -193,11 +201,13 @@ class SessionRuntime:
             or not isinstance(max_concurrent_requests, int)
             or max_concurrent_requests < 1
         ):
-            raise ValueError(
+            raise InvalidArgument(
                 f"max_concurrent_requests must be a positive integer or None, got {max_concurrent_requests!r}"
             )
+        if not isinstance(client, MultiplexedWorkerClient):
+            raise InvalidArgument(f"client must be a MultiplexedWorkerClient, got {type(client).__name__}")
         if client.info is None:
-            raise ValueError("the client has not connected to its worker yet (use spawn_multiplexed_worker)")
+            raise InvalidArgument("the client has not connected to its worker yet (use spawn_multiplexed_worker)")
         self.client = client
         limits = [client.info.limits["max_inflight_requests"], max_concurrent_requests]
         self.capacity: int = min(n for n in limits if n is not None)
@@ -223,7 +233,7 @@ class SessionRuntime:
 
     # -- admission and leases ---------------------------------------------------------------------
 
-    def _admit(self, session_id: str, body: Callable[[], Awaitable[Any]]) -> _Op:
+    def _admit(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> _Op:
         """Queue ``body`` in its session's lane, or raise at once. Does not block."""
         if self._closing:
             raise ClientClosedError("the session runtime is closing")
@@ -231,7 +241,7 @@ class SessionRuntime:
             raise InvalidArgument(f"session id must be a non-empty string, got {session_id!r}")
         if self._admitted >= self.capacity:
             raise CapacityExhausted(f"{self._admitted} operations are admitted (capacity {self.capacity})")
-        op = _Op(session_id, body)
+        op = _Op(session_id, body, follows_caller=follows_caller)
         lane = self._lanes.setdefault(session_id, deque())
         lane.append(op)
         self._admitted += 1
@@ -248,7 +258,10 @@ class SessionRuntime:
 
     async def _run(self, op: _Op) -> None:
         try:
-            op.value = await op.body()
+            with op.scope:
+                op.value = await op.body()
+            if op.scope.cancelled_caught:
+                op.error = OperationCancelled(f"cancelled before its transfer started on session {op.session_id!r}")
         except trio.Cancelled:
             # Only when the trio run itself ends (the system nursery is cancelled): no caller is left.
             op.error = OperationCancelled("the trio run ended while the operation was running")
@@ -288,12 +301,14 @@ class SessionRuntime:
         if self._admitted == 0:
             self._all_settled.set()
 
-    async def _call(self, session_id: str, body: Callable[[], Awaitable[Any]]) -> Any:
-        op = self._admit(session_id, body)
+    async def _call(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> Any:
+        op = self._admit(session_id, body, follows_caller=follows_caller)
         try:
             await op.done.wait()
         except trio.Cancelled:
             self._abandon(op)  # no-op once it holds the lease: then it settles under the lease
+            if op.follows_caller:
+                op.scope.cancel()  # a checkpoint call not yet transferring never starts
             raise
         if op.error is not None:
             raise _fresh(op.error)
@@ -308,8 +323,9 @@ class SessionRuntime:
         ``session_id`` may be left out (or None), and must otherwise equal ``session_id``.
         """
         given = getattr(params, "session_id", None)
-        if given is not None and given != session_id:
+        if given is not None and not (isinstance(given, str) and given == session_id):
             raise InvalidArgument(f"params.session_id is {given!r} but the generation is for session {session_id!r}")
+        params_to_wire(_SessionParams(params, session_id))  # bad params fail here, not in the stream
         stream = RuntimeStream(self, session_id, prompt, _SessionParams(params, session_id), DEFAULT_STREAM_BUFFER)
         op = self._admit(session_id, stream._pump)
         op.on_settle = stream._send.close  # ends iteration, whether or not the generation ran
@@ -329,22 +345,26 @@ class SessionRuntime:
     async def save_session(self, session_id: str) -> None:
         """Save the session to the client's store after every earlier operation on it (a running
         generation included)."""
-        return await self._call(session_id, lambda: self.client.save_session(session_id))
+        return await self._call(session_id, lambda: self.client.save_session(session_id), follows_caller=True)
 
     async def resume_session(self, session_id: str) -> str:
         """Restore the session's saved file into a new live session of that id; returns the id."""
-        return await self._call(session_id, lambda: self.client.resume_session(session_id))
+        return await self._call(session_id, lambda: self.client.resume_session(session_id), follows_caller=True)
 
     async def export_checkpoint_to_cpu(
         self, session_id: str, position: int | None = None, identity: str | None = None
     ) -> CPUCheckpoint:
-        return await self._call(session_id, lambda: self.client.export_checkpoint_to_cpu(session_id, position, identity))
+        return await self._call(
+            session_id, lambda: self.client.export_checkpoint_to_cpu(session_id, position, identity), follows_caller=True
+        )
 
     async def restore_checkpoint_from_cpu(
         self, checkpoint: CPUCheckpoint, session_id: str, position: int | None = None, expected_identity: str | None = None
     ) -> None:
         return await self._call(
-            session_id, lambda: self.client.restore_checkpoint_from_cpu(checkpoint, session_id, position, expected_identity)
+            session_id,
+            lambda: self.client.restore_checkpoint_from_cpu(checkpoint, session_id, position, expected_identity),
+            follows_caller=True,
         )
 
     async def aclose_worker(self) -> None:

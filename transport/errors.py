@@ -41,7 +41,9 @@ class MuxError(Exception):
         return str(self.args[0]) if self.args else ""
 
 
-class InvalidArgument(MuxError):
+# Also a ValueError: the client's own argument checks raised ValueError before they raised this,
+# and code that catches that keeps working.
+class InvalidArgument(MuxError, ValueError):
     """A request field has a wrong type, is out of range, or is not known."""
 
     code = "invalid_argument"

@@ -53,7 +53,8 @@ class FdFrameReader:
     ``read()`` returns the next :class:`Frame`, or None once the stream ends cleanly at a frame
     boundary. Anything else (a frame over the limits, a bad header, a truncated frame, a bad
     control map) raises :class:`ProtocolError`, and so does every later call. Not thread-safe:
-    one thread reads. The reader owns the fd and ``close()`` closes it.
+    one thread reads. The reader owns the fd and ``close()`` closes it. ``screen``: see
+    :class:`FrameDecoder` (a refused frame is returned before its payload bytes are read).
     """
 
     def __init__(
@@ -62,13 +63,22 @@ class FdFrameReader:
         limits: FrameLimits = DEFAULT_LIMITS,
         *,
         allocate: Callable[[int], Any] | None = None,
+        screen: Callable[[dict[str, Any], tuple[int, ...]], Exception | None] | None = None,
     ):
         self._fd = fd
-        self._decoder = FrameDecoder(limits, allocate=allocate)
+        self._decoder = FrameDecoder(limits, allocate=allocate, screen=screen)
         self._eof = False
 
     def fileno(self) -> int:
         return self._fd
+
+    @property
+    def in_frame(self) -> bool:
+        """Whether part of a frame has been read and the rest is still to come.
+
+        Read by the worker's heartbeat thread while the reader thread reads: a stale answer
+        costs one heartbeat interval, never correctness."""
+        return not self._decoder.at_boundary
 
     def read(self) -> Frame | None:
         if self._fd < 0:

@@ -55,7 +55,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 MAGIC = b"MXWF"
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 
 _HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = _HEADER.size  # 16
@@ -151,6 +151,9 @@ class Frame:
 
     control: dict[str, Any]
     payloads: list[Any] = field(default_factory=list)
+    # Set by a decoder whose ``screen`` refused the frame from its header and control map: the
+    # payloads are skipped unread (``payloads`` stays empty) and this is the request's error.
+    refused: Exception | None = None
 
     @property
     def kind(self) -> object:
@@ -347,7 +350,7 @@ def encode_frame(frame: Frame, limits: FrameLimits = DEFAULT_LIMITS) -> list[Any
 # --------------------------------------------------------------------------------------------
 # Decoding
 
-_HEADER_STATE, _LENGTHS_STATE, _CONTROL_STATE, _PAYLOAD_STATE = range(4)
+_HEADER_STATE, _LENGTHS_STATE, _CONTROL_STATE, _PAYLOAD_STATE, _SKIP_STATE = range(5)
 _STAGING_BYTES = 64 * KiB
 
 
@@ -374,11 +377,25 @@ class FrameDecoder:
     (default: ``numpy.empty``) only after the header, lengths and control map passed every limit;
     only what was already staged when a payload begins is copied. After a :class:`ProtocolError`
     the decoder is broken and every later call raises.
+
+    ``screen(control, payload_lengths)``, if given, sees every control map that passed the limits
+    before any payload buffer exists. When it returns an exception, the frame is handed out at once
+    with ``refused`` set and no payloads, and its payload bytes are then read into the staging
+    buffer and dropped: a request that is refused anyway costs neither the memory of its payloads
+    nor the wait for them (a 64 MiB prompt that cannot fit in a session, say).
     """
 
-    def __init__(self, limits: FrameLimits = DEFAULT_LIMITS, *, allocate: Callable[[int], Any] | None = None):
+    def __init__(
+        self,
+        limits: FrameLimits = DEFAULT_LIMITS,
+        *,
+        allocate: Callable[[int], Any] | None = None,
+        screen: Callable[[dict[str, Any], tuple[int, ...]], Exception | None] | None = None,
+    ):
         self.limits = limits
         self._allocate = allocate if allocate is not None else _allocate_numpy
+        self._screen = screen
+        self._skip = 0  # payload bytes of a refused frame still to drop
         # Big enough for a header and every length of a maximal frame, so those parse in place.
         self._buf = bytearray(_STAGING_BYTES + HEADER_SIZE + _LENGTH_SIZE * limits.max_payloads)
         self._view = memoryview(self._buf)
@@ -401,6 +418,7 @@ class FrameDecoder:
         self._payloads: list[memoryview] = []
         self._index = 0  # payload being filled
         self._filled = 0  # bytes of it filled
+        self._refused: Frame | None = None  # a screened-out frame, handed out before its payloads are skipped
 
     # -- public ---------------------------------------------------------------------------
 
@@ -513,6 +531,8 @@ class FrameDecoder:
             return f"after {staged} of the {_LENGTH_SIZE * self._count} payload length bytes"
         if self._state == _CONTROL_STATE:
             return f"after {self._control_filled + staged} of the {self._control_len} control map bytes"
+        if self._state == _SKIP_STATE:
+            return f"with {self._skip - staged} payload bytes of a refused frame still to come"
         size = len(self._payloads[self._index])
         return f"after {self._filled + staged} of the {size} bytes of payload {self._index}"
 
@@ -545,6 +565,8 @@ class FrameDecoder:
                         data = view[self._start : self._start + control_len]
                         self._start += control_len
                         self._finish_control(data)
+                        if self._refused is not None:
+                            return self._take_refused()
                         continue
                     # Spans reads: collect it in its own buffer (at most max_control_bytes).
                     self._control_buf = memoryview(bytearray(control_len))
@@ -558,6 +580,15 @@ class FrameDecoder:
                     return None
                 control_buf, self._control_buf = self._control_buf, None
                 self._finish_control(control_buf)
+                if self._refused is not None:
+                    return self._take_refused()
+            elif state == _SKIP_STATE:
+                take = min(avail, self._skip)
+                self._start += take
+                self._skip -= take
+                if self._skip:
+                    return None
+                self._reset_frame()
             else:
                 payloads = self._payloads
                 while self._index < len(payloads):
@@ -578,6 +609,13 @@ class FrameDecoder:
                 frame = Frame(self._control, payloads)  # type: ignore[arg-type]
                 self._reset_frame()
                 return frame
+
+    def _take_refused(self) -> Frame:
+        frame, self._refused = self._refused, None
+        assert frame is not None
+        if not self._skip:
+            self._reset_frame()
+        return frame
 
     def _check_header(self, magic: bytes, major: int, minor: int, flags: int, control_len: int, count: int) -> None:
         limits = self.limits
@@ -614,6 +652,13 @@ class FrameDecoder:
         total = sum(self._lengths)
         if total > limit:
             raise ProtocolError(f"{kind!r} frame declares {total} payload bytes, over its limit of {limit}")
+        if self._screen is not None:
+            refusal = self._screen(control, self._lengths)
+            if refusal is not None:
+                self._refused = Frame(control, [], refused=refusal)
+                self._skip = total
+                self._state = _SKIP_STATE
+                return
         self._payloads = [self._allocate_payload(n) for n in self._lengths]
         self._control = control
         self._index = self._filled = 0

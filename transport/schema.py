@@ -29,6 +29,7 @@ __all__ = [
     "MAX_REQUEST_ID",
     "MAX_SESSION_ID_BYTES",
     "MESSAGES",
+    "READINESS",
     "MessageSpec",
     "validate",
     "check_hello",
@@ -321,6 +322,10 @@ class MessageSpec:
     doc: str
 
 
+# The worker's readiness (worker/engine.py Readiness): pending while it starts, ready while it takes
+# work, failed once its engine loop has failed (it then refuses what is queued with not_ready and exits).
+READINESS = ("pending", "ready", "failed")
+
 REQUEST_ID = Int(1, MAX_REQUEST_ID, label="request id")
 ANY_ID = Int(0, MAX_REQUEST_ID, label="request id or 0")
 SESSION_ID = Str(nonempty=True, max_bytes=MAX_SESSION_ID_BYTES, label="session id")
@@ -398,7 +403,8 @@ MESSAGES: dict[str, MessageSpec] = {
     "info": _client("Ask for model and engine information. Reply: ok with `value`.", {}),
     # worker -> client
     "hello": _worker(
-        "The worker's first frame: its protocol version and what it serves.",
+        "The worker's first frame: its protocol version and what it serves. `readiness` (1.1, sent to "
+        "a client that passed `--heartbeat_ms`): `ready` once the engine takes work.",
         {
             "protocol": ListOf(Int(0, 255), min_len=2, max_len=2),
             "model": AnyMap(),
@@ -407,6 +413,12 @@ MESSAGES: dict[str, MessageSpec] = {
             "dtype": Str(),
             "limits": AnyMap(),
         },
+        {"readiness": OneOfStr(READINESS)},
+    ),
+    "heartbeat": _worker(
+        "1.1: sent every `--heartbeat_ms` while the worker is busy and has written nothing else, so "
+        "the client can tell a hung worker from a slow step. No id, no reply.",
+        {},
     ),
     "ok": _worker("Request `id` succeeded; `value` carries any result.", {"id": REQUEST_ID}, {"value": AnyMap()}),
     "token": _worker(
@@ -503,10 +515,16 @@ def check_hello(control: object) -> tuple[int, int]:
 
 
 def hello_control(
-    *, model: Mapping[str, Any], backend: str, device: str, dtype: str, limits: Mapping[str, Any]
+    *,
+    model: Mapping[str, Any],
+    backend: str,
+    device: str,
+    dtype: str,
+    limits: Mapping[str, Any],
+    readiness: str | None = None,
 ) -> dict[str, Any]:
-    """The worker's hello control map for this protocol version."""
-    return {
+    """The worker's hello control map for this protocol version (``readiness`` only for a 1.1 client)."""
+    control = {
         "kind": "hello",
         "protocol": list(PROTOCOL_VERSION),
         "model": dict(model),
@@ -515,6 +533,9 @@ def hello_control(
         "dtype": dtype,
         "limits": dict(limits),
     }
+    if readiness is not None:
+        control["readiness"] = readiness
+    return control
 
 
 def error_control(request_id: int, exc: BaseException) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class TrioFrameReader:
         self._direct = _fd_of(stream) is not None
         self._eof = False
         self._busy = False
+        # trio.current_time() of the last read that brought bytes (None before the first): a
+        # large frame arrives over many reads, and each one shows that the peer is alive.
+        self.last_received_at: float | None = None
 
     async def receive(self) -> Frame | None:
         if self._busy:
@@ -89,6 +92,7 @@ class TrioFrameReader:
                 self._eof = True
             else:
                 decoder.commit(n)
+                self.last_received_at = trio.current_time()
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return frame
@@ -101,6 +105,7 @@ class TrioFrameReader:
             received = True
             if data:
                 decoder.feed(data)
+                self.last_received_at = trio.current_time()
             else:
                 decoder.eof()
                 self._eof = True

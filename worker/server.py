@@ -2,10 +2,17 @@
 
 Threads, and who owns what:
 
-- The **main thread** runs the engine loop. It is the only thread that touches the engine and the
-  only one that writes frames (to the reply pipe).
+- The **main thread** runs the engine loop. It is the only thread that touches the engine, and it
+  writes every reply.
 - The **reader thread** reads frames from the control pipe, checks each against the schema and puts
-  it on the inbox. It never touches the engine.
+  it on the inbox. It never touches the engine. The inbox is bounded (:class:`_Inbox`): when the
+  engine falls behind, the reader stops reading, the control pipe fills and the client's writes
+  wait, so a client that sends without reading replies cannot grow the worker's memory.
+- The **heartbeat thread** (only with ``--heartbeat_ms N``, which protocol 1.1 clients pass) writes a
+  ``heartbeat`` frame when nothing else was written for N ms while the worker is busy (the engine
+  thread is handling messages or stepping, or a frame is half read). It writes from its own thread so
+  that a long forward pass cannot starve it. Writes of the two threads are serialized by
+  ``_write_lock``; a heartbeat is skipped while the engine thread holds it (bytes are moving then).
 
 The engine loop drains the inbox between steps, so a cancel or an open that arrives during a step is
 handled right after that step; it steps while there is work and blocks on the inbox when idle.
@@ -13,13 +20,18 @@ Token deltas go out as ``token`` frames in the order the engine produced them, s
 output stays in order; its ``done`` (or ``error``) frame comes last.
 
 Exit: EOF on the control pipe, SIGTERM or SIGINT settle every request (``engine.shutdown()``, their
-results are sent) and exit 0. A broken frame stream exits :data:`EXIT_PROTOCOL` with the reason on
-stderr; a model that fails to load sends an ``error`` frame (id 0) and exits :data:`EXIT_STARTUP`.
+results are sent) and exit 0. A broken frame stream exits :data:`EXIT_PROTOCOL` and a failed engine
+loop :data:`EXIT_INTERNAL` (readiness ``failed``); then nothing in flight is settled on the wire, so
+the client fails every pending stream with ``WorkerDiedError`` and never mistakes the death for a
+normal finish: only requests still queued, never seen by the engine, are answered (``not_ready``;
+``info`` is answered), then an ``error`` frame (id 0) gives the reason. A model that fails to load
+sends an ``error`` frame (id 0) and exits :data:`EXIT_STARTUP`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import queue
 import signal
 import sys
@@ -33,9 +45,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from muxworker.transport.checkpoint import checkpoint_from_wire, checkpoint_to_wire
-from muxworker.transport.errors import InternalError, InvalidArgument, MuxError, ProtocolError
+from muxworker.transport.errors import ContextOverflow, InternalError, InvalidArgument, MuxError, NotReady, ProtocolError
 from muxworker.transport.fdio import FDS_ENV, FdFrameReader, FdFrameWriter, worker_fds
-from muxworker.transport.framing import Frame, attach_payload, payload_array
+from muxworker.transport.framing import MiB, Frame, attach_payload, payload_array
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import error_control, hello_control, validate
 
@@ -66,6 +78,11 @@ BACKENDS = ("torch", "mlx")
 LATER_BACKENDS: tuple[str, ...] = ()
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _STEP_WINDOW = 1024  # recent step durations kept for ``info``'s percentiles
+# The inbox bound: the reader thread reads no further frame while this many frames, or frames
+# holding this many payload bytes, wait for the engine thread. Memory held by the inbox is at most
+# _INBOX_BYTES plus one frame (which its kind's frame limit bounds).
+_INBOX_FRAMES = 256
+_INBOX_BYTES = 8 * MiB
 
 
 def _log(message: str) -> None:
@@ -224,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed for requests that sample without their own seed (default: a fixed internal seed)",
     )
     p.add_argument(
+        "--heartbeat_ms",
+        "--heartbeat-ms",
+        type=_nonnegative_int,
+        metavar="N",
+        default=None,
+        help="protocol 1.1 liveness, passed by the client: write a heartbeat frame when nothing else "
+        "was written for N ms while busy (0: none); also adds readiness to the hello",
+    )
+    p.add_argument(
         "--control-fd",
         type=int,
         metavar="N",
@@ -249,6 +275,7 @@ class WorkerOptions:
     config: EngineConfig
     draft: str | None = None
     threads: int | None = None
+    heartbeat_ms: int | None = None  # None: a protocol 1.0 client (no heartbeats, no hello readiness)
 
 
 def parse_args(argv: Sequence[str]) -> WorkerOptions:
@@ -280,7 +307,7 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
         )
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    return WorkerOptions(ns.model, ns.backend, ns.device, dtype, config, ns.draft, ns.threads)
+    return WorkerOptions(ns.model, ns.backend, ns.device, dtype, config, ns.draft, ns.threads, ns.heartbeat_ms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +334,50 @@ _EOF = _Stop(EXIT_OK)
 _Item = Frame | _Rejected | _Stop
 
 
+class _Inbox:
+    """The engine thread's queue: frames from the reader thread (bounded), stops from anywhere.
+
+    The reader thread calls :meth:`wait_for_room` before it reads each frame, so at most
+    ``max_frames`` frames or ``max_bytes`` payload bytes wait here (plus the frame read last); the
+    rest stays in the control pipe, whose writer then blocks. Stops are never bounded: a signal
+    handler or the reader's last word must always get through, and ``SimpleQueue.put`` is safe in
+    a signal handler (it takes no lock that the interrupted engine thread could hold).
+    """
+
+    def __init__(self, max_frames: int = _INBOX_FRAMES, max_bytes: int = _INBOX_BYTES) -> None:
+        self._queue: queue.SimpleQueue[tuple[_Item, int]] = queue.SimpleQueue()
+        self._max_frames, self._max_bytes = max_frames, max_bytes
+        self._room = threading.Condition()
+        self._frames = 0  # frames (and rejections) queued; guarded by _room
+        self._bytes = 0  # their payload bytes; guarded by _room
+
+    def wait_for_room(self) -> None:
+        """Reader thread: block while the inbox is full."""
+        with self._room:
+            while self._frames >= self._max_frames or self._bytes >= self._max_bytes:
+                self._room.wait()
+
+    def put_frame(self, item: Frame | _Rejected) -> None:
+        nbytes = sum(memoryview(p).nbytes for p in item.payloads) if isinstance(item, Frame) else 0
+        with self._room:
+            self._frames += 1
+            self._bytes += nbytes
+        self._queue.put((item, nbytes))
+
+    def put_stop(self, stop: _Stop) -> None:
+        self._queue.put((stop, -1))
+
+    def get(self, block: bool = True) -> _Item:
+        """Engine thread: the next item (raises queue.Empty when ``block`` is false and none waits)."""
+        item, nbytes = self._queue.get(block)
+        if nbytes >= 0:
+            with self._room:
+                self._frames -= 1
+                self._bytes -= nbytes
+                self._room.notify()
+        return item
+
+
 # ----------------------------------------------------------------------------------------------
 # The server
 
@@ -314,12 +385,28 @@ _Item = Frame | _Rejected | _Stop
 class WorkerServer:
     """Runs the engine loop over a frame reader and writer (see the module docstring)."""
 
-    def __init__(self, engine: Engine, reader: FdFrameReader, writer: FdFrameWriter, hello: dict[str, Any]):
+    def __init__(
+        self,
+        engine: Engine,
+        reader: FdFrameReader,
+        writer: FdFrameWriter,
+        hello: dict[str, Any],
+        *,
+        heartbeat_s: float = 0.0,
+    ):
+        """``heartbeat_s`` > 0 starts the heartbeat thread (see the module docstring)."""
         self._engine = engine  # owned by the thread that calls serve()
         self._reader = reader  # owned by the reader thread once serve() starts it
-        self._writer = writer  # engine thread only
+        self._writer = writer  # written under _write_lock only (engine and heartbeat threads)
         self._hello = hello
-        self._inbox: queue.SimpleQueue[_Item] = queue.SimpleQueue()  # put() is safe in signal handlers
+        self._write_lock = threading.Lock()
+        self._last_write = time.monotonic()  # when a frame was last written; under _write_lock
+        self._heartbeat_s = heartbeat_s
+        self._stopping = threading.Event()  # ends the heartbeat thread
+        # Set by the engine thread: False only while it waits on an empty inbox with nothing to do.
+        # Read by the heartbeat thread (a plain bool: a stale read delays one heartbeat at most).
+        self._busy = True
+        self._inbox = _Inbox()
         # Replies that must follow the outputs of the next step: a close or reset settles the
         # session's request, and its done should reach the client before the ok.
         self._deferred: list[Frame] = []
@@ -352,10 +439,15 @@ class WorkerServer:
         thread = threading.Thread(target=self._read_frames, name="muxworker-reader", daemon=True)
         thread.start()
         self._write(Frame(self._hello))
+        if self._heartbeat_s > 0:
+            threading.Thread(target=self._beat, name="muxworker-heartbeat", daemon=True).start()
         try:
             stop = self._run()
         except Exception:
+            from .engine import Readiness
+
             _log("the engine loop failed:\n" + traceback.format_exc())
+            self._engine.readiness = Readiness.FAILED
             stop = _Stop(EXIT_INTERNAL, "the engine loop failed (traceback above)")
         try:
             self._settle(stop)
@@ -368,14 +460,18 @@ class WorkerServer:
         engine = self._engine
         while True:
             # Block only when idle; otherwise take what has arrived and step again.
-            item: _Item | None = None if engine.has_work() else self._inbox.get()
+            item: _Item | None = None
+            if not engine.has_work():
+                self._busy = False
+                item = self._inbox.get()
+                self._busy = True
             while True:
                 if item is not None:
                     stop = self._handle(item)
                     if stop is not None:
                         return stop
                 try:
-                    item = self._inbox.get_nowait()
+                    item = self._inbox.get(block=False)
                 except queue.Empty:
                     break
             self._send_outputs(self._step() if engine.has_work() else [])
@@ -392,41 +488,99 @@ class WorkerServer:
         return outputs
 
     def _settle(self, stop: _Stop) -> None:
-        """Settle every accepted request and send the results (best effort: the client may be gone)."""
+        """Settle what can be settled and send it (best effort: the client may be gone).
+
+        A clean stop settles every accepted request (their results are sent). After a failure the
+        connection dies with the worker: requests in flight get no reply, so the client reports
+        each as WorkerDiedError, never as an ordinary finish; queued ones get not_ready."""
         if stop.reason:
             _log(stop.reason)
-        try:
-            outputs = self._engine.shutdown()
-        except Exception:
-            _log("engine shutdown failed:\n" + traceback.format_exc())
-            outputs = []
-        self._send_outputs(outputs)
-        if stop.code != EXIT_OK and stop.reason:
-            exc = ProtocolError(stop.reason) if stop.code == EXIT_PROTOCOL else InternalError(stop.reason)
+        if stop.code == EXIT_OK:
+            try:
+                outputs = self._engine.shutdown()
+            except Exception:
+                _log("engine shutdown failed:\n" + traceback.format_exc())
+                outputs = []
+            self._send_outputs(outputs)
+        else:
+            self._deferred = []  # replies to calls whose effect the client can no longer rely on
+            self._refuse_queued(stop)
+            exc = ProtocolError(stop.reason or "") if stop.code == EXIT_PROTOCOL else InternalError(stop.reason or "")
             self._write(Frame(error_control(0, exc)))
-        self._writer.close()
+        self._stopping.set()
+        with self._write_lock:
+            self._writer.close()
+
+    def _refuse_queued(self, stop: _Stop) -> None:
+        """After a failure: answer what is still queued (the engine never saw it) with not_ready,
+        except generations, which fail with the worker like every other stream, and info, which
+        reports the readiness."""
+        why = NotReady(f"the worker is {self._engine.readiness.value} and exiting: {stop.reason}")
+        while True:
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                return
+            if isinstance(item, _Rejected):
+                self._write(Frame(error_control(item.request_id, item.error)))
+            elif isinstance(item, Frame) and item.control["kind"] not in ("generate", "cancel"):
+                if item.control["kind"] == "info":
+                    self._handle(item)
+                else:
+                    self._write(Frame(error_control(item.control["id"], why)))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self._inbox.put(_Stop(EXIT_OK, f"received {signal.Signals(signum).name}; shutting down"))
+        self._inbox.put_stop(_Stop(EXIT_OK, f"received {signal.Signals(signum).name}; shutting down"))
+
+    # -- heartbeat thread -----------------------------------------------------------------
+
+    def _beat(self) -> None:
+        """Heartbeat thread: a ``heartbeat`` frame whenever the worker is busy and silent."""
+        interval = self._heartbeat_s
+        beat = Frame({"kind": "heartbeat"})
+        while not self._stopping.wait(interval / 2):
+            if not (self._busy or self._reader.in_frame):
+                continue
+            # Never wait for the lock: its holder is writing, which shows liveness by itself.
+            if not self._write_lock.acquire(blocking=False):
+                continue
+            try:
+                if self._stopping.is_set() or self._reply_broken is not None:
+                    return
+                if time.monotonic() - self._last_write >= interval:
+                    self._writer.write(beat)
+                    self._last_write = time.monotonic()
+            except OSError:
+                return  # the client is gone; the engine thread finds out on its next write
+            finally:
+                self._write_lock.release()
 
     # -- reader thread --------------------------------------------------------------------
 
     def _read_frames(self) -> None:
         """Reader thread: frames (checked against the schema) onto the inbox, then a _Stop."""
+        inbox = self._inbox
         try:
-            while (frame := self._reader.read()) is not None:
+            while True:
+                inbox.wait_for_room()  # backpressure: a full inbox leaves the rest in the pipe
+                frame = self._reader.read()
+                if frame is None:
+                    break
+                if frame.refused is not None:  # screened from its header (see _prompt_screen)
+                    inbox.put_frame(_Rejected(frame.control["id"], frame.refused))  # type: ignore[arg-type]
+                    continue
                 try:
                     validate(frame.control, sender="client", payloads=frame.payloads)
                 except InvalidArgument as exc:
-                    self._inbox.put(_Rejected(frame.control["id"], exc))
+                    inbox.put_frame(_Rejected(frame.control["id"], exc))
                     continue
-                self._inbox.put(frame)
+                inbox.put_frame(frame)
         except ProtocolError as exc:
-            self._inbox.put(_Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
+            inbox.put_stop(_Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
         except Exception as exc:
-            self._inbox.put(_Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
+            inbox.put_stop(_Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
         else:
-            self._inbox.put(_EOF)
+            inbox.put_stop(_EOF)
 
     # -- messages -------------------------------------------------------------------------
 
@@ -523,6 +677,7 @@ class WorkerServer:
 
     def _info(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         value = {k: v for k, v in self._hello.items() if k != "kind"}
+        value["readiness"] = self._engine.readiness.value
         recent = sorted(self._recent_steps)
         value["sessions"] = len(self._engine.session_ids())
         value["inflight_requests"] = self._engine.inflight
@@ -556,21 +711,23 @@ class WorkerServer:
             frames.append(Frame({"kind": "done", "id": rid, "result": result}, payloads))
         frames += self._deferred
         self._deferred = []
-        if frames and self._reply_broken is None:
-            try:
-                # One syscall and one client wake-up per step rather than one per stream.
-                self._writer.write_many(frames)
-            except OSError as exc:
-                self._reply_broken = exc
+        if frames:
+            # One syscall and one client wake-up per step rather than one per stream.
+            self._write_frames(frames)
 
     def _write(self, frame: Frame) -> None:
         """Write one frame; once the client has gone, drop the rest (the loop then stops)."""
+        self._write_frames([frame])
+
+    def _write_frames(self, frames: list[Frame]) -> None:
         if self._reply_broken is not None:
             return
-        try:
-            self._writer.write(frame)
-        except OSError as exc:
-            self._reply_broken = exc
+        with self._write_lock:
+            try:
+                self._writer.write_many(frames)
+            except OSError as exc:
+                self._reply_broken = exc
+            self._last_write = time.monotonic()
 
 
 def _tokens_frame(rid: int, ids: Sequence[int], *, text: str | None = None) -> Frame:
@@ -585,14 +742,40 @@ def _tokens_frame(rid: int, ids: Sequence[int], *, text: str | None = None) -> F
 # Start-up
 
 
-def _hello(engine: Engine) -> dict[str, Any]:
+def _hello(engine: Engine, *, protocol_1_1: bool = True) -> dict[str, Any]:
+    """The hello; ``readiness`` only for a client that announced protocol 1.1 (``--heartbeat_ms``)."""
     return hello_control(
         model=engine.model_info(),
         backend=engine.backend,
         device=engine.device_name,
         dtype=engine.dtype_name,
         limits=dataclasses.asdict(engine.config),
+        readiness=engine.readiness.value if protocol_1_1 else None,
     )
+
+
+def _prompt_screen(max_session_tokens: int) -> Callable[[dict[str, Any], tuple[int, ...]], MuxError | None]:
+    """A frame screen (transport FrameDecoder) that refuses, from its control map, a generate whose
+    token payloads alone cannot fit in a session. Its body is then skipped unread: a 64 MiB prompt
+    costs neither 64 MiB of memory nor seconds of the engine thread (converting and checking 16M
+    token ids), during which every other stream would stall."""
+
+    def screen(control: dict[str, Any], lengths: tuple[int, ...]) -> MuxError | None:
+        if control.get("kind") != "generate":
+            return None
+        try:
+            validate(control, sender="client")  # the payload sizes are checked with the body
+        except MuxError:
+            return None  # the complete frame gets its own answer
+        n = sum(math.prod(seg["tokens"]["shape"]) for seg in control["prompt"] if "tokens" in seg)
+        if n < max_session_tokens:
+            return None
+        return ContextOverflow(
+            f"the prompt has at least {n} tokens; a session holds at most {max_session_tokens} "
+            "(max_session_tokens), prompt plus generated tokens"
+        )
+
+    return screen
 
 
 def _load_error(exc: BaseException) -> MuxError:
@@ -629,7 +812,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as exc:
         _report_usage_error(str(exc), argv)
         return EXIT_USAGE
-    reader = FdFrameReader(control_fd)
     writer = FdFrameWriter(reply_fd)
     try:
         from .build import load_engine
@@ -658,7 +840,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         writer.close()
         return EXIT_STARTUP
     _log(_startup_summary(engine))
-    return WorkerServer(engine, reader, writer, _hello(engine)).serve()
+    reader = FdFrameReader(control_fd, screen=_prompt_screen(engine.config.max_session_tokens))
+    hello = _hello(engine, protocol_1_1=options.heartbeat_ms is not None)
+    return WorkerServer(engine, reader, writer, hello, heartbeat_s=(options.heartbeat_ms or 0) / 1000).serve()
 
 
 def _startup_summary(engine: Engine) -> str:

@@ -542,3 +542,248 @@ async def test_smollm2_worker_killed_mid_stream():
         with pytest.raises(WorkerDiedError):
             await client.tokenize("x")
     assert client.returncode == -signal.SIGKILL
+
+
+# ----------------------------------------------------------------------------------------------
+# liveness: a hung worker is a dead worker (issue 13 item 6)
+
+
+async def _outcome(call) -> BaseException | str:
+    try:
+        await call()
+    except MuxError as exc:
+        return exc
+    return "returned"
+
+
+async def test_a_stopped_worker_fails_streams_info_and_saves_after_the_liveness_timeout(worker_command, model_dir, tmp_path):
+    from muxworker.client import SessionStore
+
+    store = await SessionStore.create(
+        tmp_path / "store",
+        model_files=[model_dir / "model.safetensors", model_dir / "tokenizer.json"],
+        configuration={"backend": "torch", "dtype": "float32"},
+    )
+    async with spawn_multiplexed_worker(worker_command, session_store=store, liveness_timeout=2.0) as client:
+        assert client.info.readiness == "ready"
+        await client.open_session("saved")
+        await client.generate([5, 6], greedy("saved", 4)).wait()
+        await client.open_session("a")
+        stream = client.generate([5, 6, 7], greedy("a", 400))
+        await stream.__anext__()
+        pid = client.pid
+        os.kill(pid, signal.SIGSTOP)  # hung: alive, silent, and deaf to SIGTERM
+        outcomes: dict[str, BaseException | str] = {}
+
+        async def run(name: str, call) -> None:
+            outcomes[name] = await _outcome(call)
+
+        with trio.fail_after(HANG_GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "stream", stream.wait)
+                nursery.start_soon(run, "info", client.query_info)
+                nursery.start_soon(run, "save", lambda: client.save_session("saved"))
+        for name, exc in outcomes.items():
+            assert isinstance(exc, WorkerDiedError), (name, exc)
+            assert "no heartbeat for 2 s" in str(exc) and exc.returncode == -signal.SIGKILL
+        assert client.returncode == -signal.SIGKILL and pid not in _child_pids()
+        with pytest.raises(WorkerDiedError, match="no heartbeat"):
+            await client.open_session("later")
+    assert await trio.to_thread.run_sync(store.list) == []
+
+
+async def test_a_long_forward_pass_is_not_silence(model_dir):
+    # Every forward pass takes 1.5 s, longer than the 1 s liveness timeout: the worker's heartbeat
+    # thread keeps it alive (heartbeats between steps would not).
+    wrapper = (
+        "import runpy, time\n"
+        "import muxworker.worker.engine as e\n"
+        "step = e.Engine.step\n"
+        "def slow(self):\n"
+        "    time.sleep(1.5)\n"
+        "    return step(self)\n"
+        "e.Engine.step = slow\n"
+        "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+    )
+    command = [sys.executable, "-c", wrapper, "--model", str(model_dir), "--max_session_tokens", "256"]
+    async with spawn_multiplexed_worker(command, liveness_timeout=1.0) as client:
+        await client.open_session("a")
+        with trio.fail_after(HANG_GUARD_S):
+            result = await client.generate([5, 6], greedy("a", 3)).wait()
+        assert result.completion_tokens == 3
+        assert (await client.query_info())["readiness"] == "ready"
+    assert client.returncode == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# a dead worker is never a normal finish (issue 13 item 11)
+
+_FAILING_ENGINE = (
+    "import runpy\n"
+    "import muxworker.worker.engine as e\n"
+    "submit, step = e.Engine.submit, e.Engine.step\n"
+    "armed = []\n"
+    "def arm(self, rid, sid, *a, **k):\n"
+    "    submit(self, rid, sid, *a, **k)\n"
+    "    if sid == 'boom':\n"
+    "        armed.append(rid)\n"
+    "def failing(self):\n"
+    "    if armed:\n"
+    "        raise RuntimeError('injected engine failure')\n"
+    "    return step(self)\n"
+    "e.Engine.submit, e.Engine.step = arm, failing\n"
+    "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+)
+
+
+async def test_an_engine_loop_failure_fails_every_live_stream_with_worker_died(model_dir):
+    command = [sys.executable, "-c", _FAILING_ENGINE, "--model", str(model_dir), "--max_session_tokens", "512"]
+    async with spawn_multiplexed_worker(command) as client:
+        streams = {}
+        for sid in ("a", "b", "boom"):
+            await client.open_session(sid)
+        for sid in ("a", "b"):
+            streams[sid] = client.generate([5, 6], greedy(sid, 400))
+            await streams[sid].__anext__()
+        streams["boom"] = client.generate([5, 6], greedy("boom", 4))  # its first step fails the loop
+        with trio.fail_after(HANG_GUARD_S):
+            for sid, stream in streams.items():
+                with pytest.raises(WorkerDiedError) as info:  # never a result with finish_reason "cancelled"
+                    async for _ in stream:
+                        pass
+                assert "engine loop failed" in str(info.value) and info.value.returncode == 4, sid
+                with pytest.raises(WorkerDiedError):
+                    await stream.wait()
+    assert client.returncode == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# wrong arguments raise MuxError, never a bare Python error, and never hurt the worker (item 13)
+
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+WRONG = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.lists(st.one_of(st.integers(min_value=-(2**40), max_value=2**70), st.text(max_size=2), st.none()), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.sampled_from([object(), np.array([[1, 2]]), np.float32(0.5), np.int64(-3), np.array([2**40]), {"role": 1}, [{}]]),
+)
+PARAM_FIELDS = [f.name for f in dataclasses.fields(GenerationParams)]
+CALLS = (
+    "open", "close", "reset", "generate_prompt", "generate_param", "generate_params_object", "tokenize",
+    "detokenize", "chat_template", "export", "restore", "save", "resume",
+    "rt_open", "rt_generate_prompt", "rt_generate_param", "rt_save", "rt_resume", "rt_export", "rt_restore",
+)
+
+
+async def _each_param(generate, bad) -> None:
+    """``bad`` in each field of GenerationParams in turn (every field, the new ones too)."""
+    for name in PARAM_FIELDS:
+        params = GenerationParams(session_id="s", max_new_tokens=2, stop_token_ids=[])
+        setattr(params, name, bad)
+        try:
+            await generate(params).wait()
+        except MuxError:
+            pass
+
+
+async def _bad_call(client, runtime, checkpoint, call: str, slot: int, bad) -> None:
+    """One public call with ``bad`` in one argument slot and valid values elsewhere."""
+    def pick(*args):
+        args = list(args)
+        args[slot % len(args)] = bad
+        return args
+
+    if call in ("open", "close", "reset", "save", "resume"):
+        await getattr(client, f"{call}_session")(bad)
+    elif call == "generate_prompt":
+        await client.generate(bad, greedy("s", 2)).wait()
+    elif call == "generate_param":
+        await _each_param(lambda params: client.generate([5, 6], params), bad)
+    elif call == "generate_params_object":
+        await client.generate([5, 6], bad).wait()
+    elif call == "tokenize":
+        text, special = pick("hi", False)
+        await client.tokenize(text, add_special_tokens=special)
+    elif call == "detokenize":
+        await client.detokenize(bad)
+    elif call == "chat_template":
+        messages, prompt = pick([{"role": "user", "content": "hi"}], True)
+        await client.apply_chat_template(messages, prompt)
+    elif call == "export":
+        await client.export_checkpoint_to_cpu(*pick("s", None, None))
+    elif call == "restore":
+        await client.restore_checkpoint_from_cpu(*pick(checkpoint, "restored", None, None))
+    elif call == "rt_open":
+        await runtime.open_session(bad)
+    elif call == "rt_generate_prompt":
+        await runtime.generate("s", bad, greedy("s", 2)).wait()
+    elif call == "rt_generate_param":
+        await _each_param(lambda params: runtime.generate("s", [5, 6], params), bad)
+    elif call in ("rt_save", "rt_resume"):
+        await getattr(runtime, f"{call[3:]}_session")(bad)
+    elif call == "rt_export":
+        await runtime.export_checkpoint_to_cpu(*pick("s", None, None))
+    elif call == "rt_restore":
+        await runtime.restore_checkpoint_from_cpu(*pick(checkpoint, "restored", None, None))
+    else:  # pragma: no cover
+        raise AssertionError(call)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(st.tuples(st.sampled_from(CALLS), st.integers(0, 3), WRONG), min_size=30, max_size=30))
+async def test_wrong_arguments_to_every_public_call_raise_mux_errors_and_the_worker_lives(calls, worker_command, model_dir, tmp_path_factory):
+    from muxworker.client import SessionRuntime, SessionStore
+
+    store = await SessionStore.create(
+        tmp_path_factory.mktemp("wrong") / "store",
+        model_files=[model_dir / "model.safetensors", model_dir / "tokenizer.json"],
+        configuration={"backend": "torch", "dtype": "float32"},
+    )
+    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+        runtime = SessionRuntime(client)
+        await client.open_session("s")
+        await client.generate([5, 6, 7], greedy("s", 3)).wait()
+        checkpoint = await client.export_checkpoint_to_cpu("s")
+        with trio.fail_after(HANG_GUARD_S * 2):
+            for call, slot, bad in calls:
+                try:
+                    await _bad_call(client, runtime, checkpoint, call, slot, bad)
+                except MuxError:
+                    pass  # the only kind of error a wrong argument may raise
+                assert client.is_usable, (call, slot, bad)
+            # The worker lives and serves: a greedy generation on a fresh session is unchanged.
+            await client.open_session("after")
+            result = await client.generate([5, 6, 7], greedy("after", 3)).wait()
+            assert result.completion_tokens == 3
+            assert (await client.query_info())["readiness"] == "ready"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(worker_command="python -m muxworker.worker"),
+        dict(worker_command=[]),
+        dict(worker_command=[1, 2]),
+        dict(worker_command=None),
+        dict(worker_command=["w"], stream_buffer=0),
+        dict(worker_command=["w"], stream_buffer="4"),
+        dict(worker_command=["w"], liveness_timeout=0),
+        dict(worker_command=["w"], liveness_timeout=float("nan")),
+        dict(worker_command=["w"], startup_timeout=None),
+        dict(worker_command=["w"], close_timeout=-1),
+    ],
+)
+def test_spawn_arguments_are_checked_at_the_call_with_invalid_argument(kwargs):
+    with pytest.raises(InvalidArgument) as info:
+        spawn_multiplexed_worker(**kwargs)
+    assert isinstance(info.value, ValueError)  # what these checks raised before, for old callers

@@ -6,6 +6,7 @@ reused, which delta came first), never by durations. trio.fail_after is a hang g
 from __future__ import annotations
 
 import os
+import threading
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -261,12 +262,15 @@ async def test_a_cancelled_lifecycle_call_returns_at_once_and_settles_under_the_
         await runtime.open_session("s")
         r = await runtime.generate("s", PROMPT, greedy(8)).wait()
 
+        # A checkpoint call cancelled before its transfer started never starts, even though it
+        # was given the lease at once (issue 13 item 10: it used to run after its caller left).
         with trio.CancelScope() as scope:
             scope.cancel()
             await runtime.save_session("s")
-        # Returned while the save still holds the lease.
-        assert scope.cancelled_caught and runtime.admitted == 1 and runtime.leased_sessions == 1
-        # Waits behind the save; had it run first, the save would have found no session.
+        assert scope.cancelled_caught
+        await runtime.export_checkpoint_to_cpu("s")  # behind it on the lane: it has settled by now
+        assert await trio.to_thread.run_sync(store.list) == []
+        await runtime.save_session("s")
         await runtime.close_session("s")
         assert await trio.to_thread.run_sync(store.list) == ["s"]
         assert await runtime.resume_session("s") == "s"
@@ -330,13 +334,13 @@ async def test_aclose_worker_settles_work_in_flight(runtime, client, store):
             await trio.testing.wait_all_tasks_blocked()
             with trio.CancelScope() as scope:
                 scope.cancel()
-                await runtime.save_session("b")  # its caller gives up; the save goes on
+                await runtime.save_session("b")  # its caller gives up before it started: it never runs
             await runtime.aclose_worker()
             assert runtime.admitted == 0 and runtime.leased_sessions == 0
-        # Ran to the end, and the saves behind and beside it completed before the worker closed.
+        # Ran to the end, and the save behind it completed before the worker closed.
         assert ga.finished and (await ga.wait()).completion_tokens == 1000
         assert outcomes == {"save a": None}
-        assert await trio.to_thread.run_sync(store.list) == ["a", "b"]
+        assert await trio.to_thread.run_sync(store.list) == ["a"]
         assert not client.is_usable and client.returncode == 0
         with pytest.raises(ClientClosedError):
             runtime.generate("a", PROMPT, greedy(1))
@@ -555,3 +559,107 @@ async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, 
             await runtime.open_session("fresh")
             assert (await runtime.generate("fresh", PROMPT, greedy(2)).wait()).completion_tokens == 2
             await runtime.aclose_worker()
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint calls: cancellable until their transfer starts; a hung worker frees them (items 10, 15)
+
+
+class _HeldStore(SessionStore):
+    """A store whose saves wait until the test releases them; records what was saved."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.saved: list[str] = []
+        self.hold = threading.Event()
+        self.entered = threading.Event()
+
+    def save(self, session_id, checkpoint):
+        self.entered.set()
+        self.hold.wait(HANG_GUARD_S)
+        super().save(session_id, checkpoint)
+        self.saved.append(session_id)
+
+
+async def _held_store(path, model_files) -> _HeldStore:
+    identity = (await SessionStore.create(path, model_files=model_files, configuration=CONFIG)).identity
+    return _HeldStore(path, identity=identity)
+
+
+async def _with_history(runtime, *sids: str) -> None:
+    for sid in sids:
+        await runtime.open_session(sid)
+        await runtime.generate(sid, PROMPT, greedy(4)).wait()
+
+
+async def test_a_save_cancelled_in_the_clients_checkpoint_queue_never_starts(worker_command, model_files, tmp_path):
+    store = await _held_store(tmp_path / "s", model_files)
+    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+        runtime = SessionRuntime(client)
+        await _with_history(runtime, "a", "b")
+        outcome: dict[str, str] = {}
+        with trio.fail_after(HANG_GUARD_S):
+            async with trio.open_nursery() as nursery:
+                queued = trio.CancelScope()
+
+                async def save_b() -> None:
+                    with queued:
+                        await runtime.save_session("b")  # holds b's lease, waits behind a's save
+                        outcome["b"] = "saved"
+                        return
+                    outcome["b"] = "cancelled"
+
+                nursery.start_soon(runtime.save_session, "a")
+                await trio.to_thread.run_sync(store.entered.wait)  # a holds the client's checkpoint queue
+                nursery.start_soon(save_b)
+                await trio.testing.wait_all_tasks_blocked()
+                assert runtime.admitted == 2
+                queued.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert outcome == {"b": "cancelled"} and runtime.admitted == 1  # b left at once
+                store.hold.set()
+        assert store.saved == ["a"]  # b never ran, not even after a's save released the queue
+        await runtime.export_checkpoint_to_cpu("b")  # b's lane and the queue are free
+        assert await trio.to_thread.run_sync(store.list) == ["a"]
+        await runtime.aclose_worker()
+
+
+async def test_a_hung_worker_ends_stuck_checkpoint_calls_and_caller_deadlines_work_while_queued(
+    worker_command, model_files, tmp_path
+):
+    store = await SessionStore.create(tmp_path / "s", model_files=model_files, configuration=CONFIG)
+    async with spawn_multiplexed_worker(worker_command, session_store=store, liveness_timeout=3.0) as client:
+        runtime = SessionRuntime(client, max_concurrent_requests=3)
+        await _with_history(runtime, "a", "b", "c")
+        os.kill(client.pid, signal.SIGSTOP)
+        events: list[str] = []
+        errors: dict[str, BaseException] = {}
+
+        async def save(sid: str) -> None:
+            try:
+                await runtime.save_session(sid)
+            except WorkerDiedError as exc:
+                errors[sid] = exc
+                events.append(f"{sid} died")
+
+        with trio.fail_after(HANG_GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(save, "a")  # its export is written, then nothing comes back
+                await trio.testing.wait_all_tasks_blocked()
+                with trio.move_on_after(0.5) as deadline:
+                    await runtime.save_session("b")  # queued behind a's transfer: the deadline works
+                assert deadline.cancelled_caught
+                events.append("b gave up")
+                await trio.testing.wait_all_tasks_blocked()  # b's own task has settled it
+                assert runtime.admitted == 1  # only a is still stuck
+                nursery.start_soon(save, "c")
+        # Every stuck operation ended with the worker's death, and none holds the capacity.
+        assert events[0] == "b gave up" and sorted(errors) == ["a", "c"]
+        assert all("no heartbeat for 3 s" in str(exc) for exc in errors.values())
+        assert runtime.admitted == 0 and runtime.leased_sessions == 0
+        for _ in range(runtime.capacity + 1):  # the worker's death, never CapacityExhausted
+            with pytest.raises(WorkerDiedError):
+                await runtime.open_session("later")
+        assert client.returncode == -signal.SIGKILL
+        assert await trio.to_thread.run_sync(store.list) == []
+        await runtime.aclose_worker()

@@ -41,7 +41,7 @@ def test_header_layout_is_fixed_little_endian():
     data = wire(Frame({"kind": "x"}, payloads))
     body = msgpack.packb({"kind": "x"})
     assert data[:4] == MAGIC == b"MXWF"
-    assert (data[4], data[5]) == PROTOCOL_VERSION == (1, 0)
+    assert (data[4], data[5]) == PROTOCOL_VERSION == (1, 1)
     assert struct.unpack_from("<HII", data, 6) == (0, len(body), 2)
     assert HEADER_SIZE == 16
     assert struct.unpack_from("<2Q", data, 16) == (3, 16)
@@ -351,3 +351,47 @@ def test_payload_array_rejects_bad_references(ref, match):
     frame = Frame({"kind": "x"}, [np.zeros(2, np.int32)])
     with pytest.raises(InvalidArgument, match=match):
         payload_array(frame, ref)
+
+
+# --- screening a frame from its header ------------------------------------------------------
+
+
+def test_a_screened_frame_is_handed_out_before_its_payloads_which_are_skipped_unallocated():
+    from muxworker.transport.errors import ContextOverflow
+
+    allocated: list[int] = []
+
+    def allocate(n: int):
+        allocated.append(n)
+        return np.empty(n, np.uint8)
+
+    def screen(control, lengths):
+        return ContextOverflow("too long") if control.get("big") else None
+
+    big = wire(Frame({"kind": "generate", "id": 1, "big": True}, [np.zeros(300_000, np.int32)]))
+    small = Frame({"kind": "generate", "id": 2}, [np.arange(3, dtype=np.int32)])
+    # Header, lengths and control map: the same frame with an empty payload has exactly those.
+    head = len(wire(Frame({"kind": "generate", "id": 1, "big": True}, [b""])))
+    decoder = FrameDecoder(allocate=allocate, screen=screen)
+    # Only the header and the control map have arrived: the refusal is already known.
+    decoder.feed(big[:head])
+    refused = decoder.next_frame()
+    assert refused is not None and refused.payloads == [] and isinstance(refused.refused, ContextOverflow)
+    assert refused.control["id"] == 1 and not decoder.at_boundary
+    # The payload bytes are dropped as they come, in chunks of any size, and the next frame decodes.
+    rest = big[head:] + wire(small)
+    (got,) = _decode_in_chunks(rest, random.Random(3), decoder)
+    assert got.control == small.control and got.refused is None
+    assert bytes(got.payloads[0]) == np.arange(3, dtype=np.int32).tobytes()
+    assert allocated == [12]  # never the refused frame's 1.2 MB
+    assert decoder.at_boundary
+
+
+def test_eof_inside_a_skipped_payload_is_a_truncated_frame():
+    decoder = FrameDecoder(screen=lambda control, lengths: ValueError("no"))
+    data = wire(Frame({"kind": "x"}, [b"abcdef"]))
+    decoder.feed(data[:-2])
+    assert decoder.next_frame().refused is not None
+    assert decoder.next_frame() is None
+    with pytest.raises(ProtocolError, match="truncated frame.*refused frame"):
+        decoder.eof()

@@ -98,9 +98,11 @@ def _examples() -> dict[str, tuple[dict, list]]:
             device="cpu",
             dtype="float32",
             limits=FrameLimits().to_dict(),
+            readiness="ready",
         ),
         [],
     )
+    ex["heartbeat"] = ({"kind": "heartbeat"}, [])
     ex["ok"] = ({"kind": "ok", "id": 1, "value": {"sessions": 3}}, [])
     ex["token"] = ({"kind": "token", "id": 2, "text": " world", "token_ids": [1917]}, [])
     ex["done"] = ({"kind": "done", "id": 2, "result": {"finish_reason": "stop", "tokens": 5}}, [])
@@ -138,7 +140,7 @@ def wrong_values(spec: Spec) -> list[object]:
     if isinstance(spec, Str):
         return [1, b"bytes", None, ["x"]] + ([""] if spec.nonempty else [])
     if isinstance(spec, OneOfStr):
-        return ["no-such-value", 1]
+        return ["no-such-value", 1, None, ["x"]]
     if isinstance(spec, ListOf):
         inner = wrong_values(spec.item)
         return ["x", {"0": 1}, None, [inner[0]]]
@@ -177,7 +179,7 @@ def test_message_kinds_are_the_documented_set():
     worker = {k for k, s in MESSAGES.items() if s.sender == "worker"}
     assert client == {"open", "close", "reset", "generate", "cancel", "tokenize", "detokenize",
                       "chat_template", "export", "restore", "info"}
-    assert worker == {"hello", "ok", "token", "done", "error", "tokens", "text", "checkpoint"}
+    assert worker == {"hello", "heartbeat", "ok", "token", "done", "error", "tokens", "text", "checkpoint"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -387,8 +389,8 @@ def test_export_position_may_be_nil():
 
 def test_hello_from_this_version():
     control, _ = EXAMPLES["hello"]
-    assert control["protocol"] == list(PROTOCOL_VERSION) == [1, 0]
-    assert check_hello(control) == (1, 0)
+    assert control["protocol"] == list(PROTOCOL_VERSION) == [1, 1]
+    assert check_hello(control) == (1, 1)
 
 
 def test_newer_minor_version_is_accepted():
@@ -400,7 +402,7 @@ def test_newer_minor_version_is_accepted():
 def test_other_major_version_is_refused_clearly(major):
     # A future major version may change anything else in the hello too; the version is checked first.
     control = {"kind": "hello", "protocol": [major, 0], "entirely": "different"}
-    with pytest.raises(ProtocolError, match=f"worker speaks protocol {major}.0 but this client speaks 1.0; the major versions must match"):
+    with pytest.raises(ProtocolError, match=f"worker speaks protocol {major}.0 but this client speaks 1.1; the major versions must match"):
         check_hello(control)
 
 

@@ -6,10 +6,13 @@ they cover what the trio client never sends: malformed frames, bad flags, signal
 from __future__ import annotations
 
 import os
+import select
 import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -17,8 +20,8 @@ import numpy as np
 import pytest
 
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
-from muxworker.transport.framing import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, Frame, attach_payload, payload_array
-from muxworker.worker.server import EXIT_OK, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE
+from muxworker.transport.framing import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, Frame, attach_payload, encode_frame, payload_array
+from muxworker.worker.server import EXIT_INTERNAL, EXIT_OK, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE
 
 WORKER = [sys.executable, "-m", "muxworker.worker"]
 HANG_GUARD_S = 60.0  # generous: the machine is shared; a timeout here means a hang, not slowness
@@ -27,13 +30,13 @@ HANG_GUARD_S = 60.0  # generous: the machine is shared; a timeout here means a h
 class RawWorker:
     """A worker subprocess with the test holding the other ends of its two protocol pipes."""
 
-    def __init__(self, args: list[str], tmp_path: Path, *, hello: bool = True):
+    def __init__(self, args: list[str], tmp_path: Path, *, hello: bool = True, command: list[str] = WORKER):
         control_read, self.control_write = os.pipe()
         self.reply_read, reply_write = os.pipe()
         self.stderr_path = tmp_path / f"worker-{id(self)}.stderr"
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [*WORKER, *args, "--control-fd", str(control_read), "--reply-fd", str(reply_write)],
+                [*command, *args, "--control-fd", str(control_read), "--reply-fd", str(reply_write)],
                 pass_fds=(control_read, reply_write),
                 stdin=subprocess.DEVNULL,
                 stdout=err,
@@ -435,8 +438,10 @@ def test_malformed_frames_exit_with_a_message(model, tmp_path, data, message):
         frames = []
         while (frame := w.read()) is not None:
             frames.append(frame)
+        # The connection dies with the worker: a generation still running gets no reply at all
+        # (the client reports it as WorkerDiedError), never an ordinary "cancelled" finish.
         done = [f for f in frames if f.control["kind"] == "done"]
-        assert done and done[0].control["result"]["finish_reason"] in ("cancelled", "length")
+        assert all(f.control["result"]["finish_reason"] == "length" for f in done)
         last = frames[-1].control
         assert last["kind"] == "error" and last["id"] == 0 and last["code"] == "protocol"
         assert message in last["message"]
@@ -485,3 +490,210 @@ def test_backends_and_speculative_decoding_serve_the_same_greedy_tokens(model, t
     else:
         assert hello["limits"]["n_draft"] == 3 and hello["model"]["draft"]["n_draft"] == 3
     assert ids == reference
+
+
+# ----------------------------------------------------------------------------------------------
+# liveness and readiness (protocol 1.1, asked for with --heartbeat_ms)
+
+# A worker whose every forward pass takes SLOW_STEP_S: time.sleep releases the GIL like a real
+# long pass in torch does, so only a heartbeat from another thread can fill the gaps.
+SLOW_STEPS = [sys.executable, "-c", (
+    "import runpy, time\n"
+    "import muxworker.worker.engine as e\n"
+    "step = e.Engine.step\n"
+    "def slow(self):\n"
+    "    time.sleep(0.3)\n"
+    "    return step(self)\n"
+    "e.Engine.step = slow\n"
+    "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+)]
+
+# A worker whose engine loop fails in the first step after a generation on session "boom" is
+# accepted; the step says so on stderr and waits until QUEUED more frames are in the inbox, so those
+# are queued at the failure, never seen by the engine.
+def _failing_engine(queued: int) -> list[str]:
+    return [sys.executable, "-c", (
+        "import runpy, sys, time\n"
+        "import muxworker.worker.engine as e, muxworker.worker.server as srv\n"
+        "servers = []\n"
+        "init = srv.WorkerServer.__init__\n"
+        "def keep(self, *a, **k):\n"
+        "    init(self, *a, **k)\n"
+        "    servers.append(self)\n"
+        "srv.WorkerServer.__init__ = keep\n"
+        "submit, step = e.Engine.submit, e.Engine.step\n"
+        "armed = []\n"
+        "def arm(self, rid, sid, *a, **k):\n"
+        "    submit(self, rid, sid, *a, **k)\n"
+        "    if sid == 'boom':\n"
+        "        armed.append(rid)\n"
+        "def failing(self):\n"
+        "    if armed:\n"
+        "        print('failing step: waiting for queued frames', file=sys.stderr, flush=True)\n"
+        "        deadline = time.monotonic() + 60\n"
+        f"        while servers[0]._inbox._frames < {queued} and time.monotonic() < deadline:\n"
+        "            time.sleep(0.01)\n"
+        "        raise RuntimeError('injected engine failure')\n"
+        "    return step(self)\n"
+        "e.Engine.submit, e.Engine.step = arm, failing\n"
+        "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+    )]
+
+
+def _wait_for_stderr(w: RawWorker, text: str) -> None:
+    for _ in range(int(HANG_GUARD_S / 0.01)):
+        if text in w.stderr():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the worker never logged {text!r}; stderr:\n{w.stderr()}")
+
+
+def test_readiness_is_in_the_hello_and_info_only_for_a_1_1_client(model, tmp_path):
+    with RawWorker(_args(model, "--heartbeat_ms", "0"), tmp_path) as w:
+        assert w.hello.control["readiness"] == "ready"
+        w.send({"kind": "info", "id": 1})
+        assert w.final(1)["value"]["readiness"] == "ready"
+    with RawWorker(_args(model), tmp_path) as w:  # a 1.0 client: its schema has no such field
+        assert "readiness" not in w.hello.control
+        w.send({"kind": "info", "id": 1})
+        assert w.final(1)["value"]["readiness"] == "ready"  # a new entry of a map: allowed in 1.x
+
+
+def test_heartbeats_fill_a_long_forward_pass_and_only_when_asked(model, tmp_path):
+    for ask, expect in ((["--heartbeat_ms", "50"], True), ([], False)):
+        with RawWorker(_args(model, *ask), tmp_path, command=SLOW_STEPS) as w:
+            w.send({"kind": "open", "id": 1, "session_id": "a"})
+            w.send(*_generate(2, "a", [5, 6], max_new_tokens=4))
+            kinds = []
+            while True:
+                frame = w.read()
+                assert frame is not None, w.stderr()
+                kinds.append(frame.control["kind"])
+                if frame.control.get("id") == 2 and frame.control["kind"] != "token":
+                    break
+            assert kinds[-1] == "done"
+            between = kinds[kinds.index("token"):]  # 0.3 s passes each: room for several beats
+            assert ("heartbeat" in between) is expect, kinds
+            w.close_control()
+            assert w.wait() == EXIT_OK
+
+
+def test_an_engine_loop_failure_settles_nothing_as_finished_and_refuses_queued_requests(tmp_path, model):
+    with RawWorker(_args(model, "--heartbeat_ms", "0"), tmp_path, command=_failing_engine(queued=2)) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send({"kind": "open", "id": 2, "session_id": "boom"})
+        w.send(*_generate(3, "a", [5, 6], max_new_tokens=250))
+        w.collect(1, 2)
+        w.read()  # "a" is streaming
+        w.send(*_generate(4, "boom", [5, 6], max_new_tokens=4))
+        _wait_for_stderr(w, "failing step")
+        w.send({"kind": "open", "id": 5, "session_id": "late"})  # queued when the loop fails
+        w.send({"kind": "info", "id": 6})
+        frames = []
+        while (frame := w.read()) is not None:
+            frames.append(frame.control)
+        finals = {c["id"]: c for c in frames if c["kind"] != "token"}
+        # Nothing that was running ends as an ordinary finish: the client reports those as the
+        # worker's death. What was still queued is refused, and info says why.
+        assert 3 not in finals and 4 not in finals
+        assert finals[5]["kind"] == "error" and finals[5]["code"] == "not_ready"
+        assert "failed" in finals[5]["message"]
+        assert finals[6]["kind"] == "ok" and finals[6]["value"]["readiness"] == "failed"
+        last = frames[-1]
+        assert last["kind"] == "error" and last["id"] == 0 and last["code"] == "internal"
+        assert "engine loop failed" in last["message"]
+        assert w.wait() == EXIT_INTERNAL
+        assert "injected engine failure" in w.stderr()
+
+
+# ----------------------------------------------------------------------------------------------
+# a misbehaving client: bounded memory, oversized prompts
+
+
+def _vm_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_a_client_that_never_reads_replies_cannot_grow_the_worker_without_bound(model, tmp_path):
+    ids = np.full(256 * 1024, 5, dtype=np.int32)  # 1 MiB of token ids; each reply is ~256 KB of text
+
+    def detokenize(rid: int) -> bytes:
+        payloads: list = []
+        ref = attach_payload(payloads, ids)
+        return b"".join(bytes(memoryview(b)) for b in encode_frame(Frame({"kind": "detokenize", "id": rid, "tokens": ref}, payloads)))
+
+    with RawWorker(_args(model), tmp_path) as w:
+        w.send_raw(detokenize(1))
+        assert w.final(1)["kind"] == "text"  # warm: one such request and its reply at the peak
+        before = _vm_kib(w.proc.pid, "VmHWM")
+        n = 50
+        data = b"".join(detokenize(2 + i) for i in range(n))  # 50 MiB of requests, replies unread
+        os.set_blocking(w.control_write, False)
+        sent = 0
+        poller = select.poll()
+        poller.register(w.control_write, select.POLLOUT)
+        while sent < len(data):
+            try:
+                sent += os.write(w.control_write, data[sent : sent + (1 << 20)])
+            except BlockingIOError:
+                if not poller.poll(3000):  # the worker stopped taking requests: backpressure
+                    break
+        peak = _vm_kib(w.proc.pid, "VmHWM")
+        growth_mib = (peak - before) / 1024
+        print(f"sent {sent / 2**20:.1f} of {len(data) / 2**20:.0f} MiB unread-reply requests; worker peak RSS grew {growth_mib:.1f} MiB")
+        assert sent < len(data)  # the client was made to wait
+        assert growth_mib < 40  # the bound (8 MiB queued + one request + the one being answered)
+        # Reading the replies lets everything through: every request is answered, in order.
+        os.set_blocking(w.control_write, True)
+        writer = threading.Thread(target=_write_all, args=(w.control_write, [memoryview(data)[sent:]]))
+        writer.start()
+        for i in range(n):
+            assert w.final(2 + i)["kind"] == "text"
+        writer.join()
+        w.send({"kind": "info", "id": 100})
+        assert w.final(100)["kind"] == "ok"
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def test_an_oversized_prompt_is_refused_from_its_header_while_other_streams_go_on(model, tmp_path):
+    with RawWorker(["--model", model, "--max_session_tokens", "4096"], tmp_path) as w:
+        before = _vm_kib(w.proc.pid, "VmHWM")
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send({"kind": "open", "id": 2, "session_id": "b"})
+        w.send(*_generate(3, "a", [5, 6], max_new_tokens=4000))
+        w.collect(1, 2)
+        control, payloads = _generate(4, "b", np.zeros(16 * 2**20, dtype=np.int32), max_new_tokens=1)
+        head, *body = encode_frame(Frame(control, payloads))
+        w.send_raw(bytes(head))  # the header and control map only: 64 MiB of token ids still to come
+        seen: list[str] = []
+        while not ("refused" in seen and seen[-3:] == ["token"] * 3):
+            frame = w.read()
+            assert frame is not None
+            c = frame.control
+            if c.get("id") == 4:
+                assert c["kind"] == "error" and c["code"] == "context_overflow", c
+                assert "16777216 tokens" in c["message"]
+                seen.append("refused")
+            elif c.get("id") == 3:
+                assert c["kind"] == "token", "the other stream ended before the oversized prompt was refused"
+                seen.append("token")
+        # Refused before its body was sent, and the other stream kept receiving tokens after that.
+        # The body is still read (and dropped), so the stream stays in step for the next request.
+        _write_all(w.control_write, body)
+        w.send({"kind": "cancel", "id": 3})
+        assert w.collect(3)[3][1].control["result"]["finish_reason"] == "cancelled"
+        w.send({"kind": "info", "id": 5})
+        assert w.final(5)["kind"] == "ok"
+        growth_mib = (_vm_kib(w.proc.pid, "VmHWM") - before) / 1024
+        assert growth_mib < 32, f"the worker's peak RSS grew {growth_mib:.0f} MiB: it held the 64 MiB body"
