@@ -31,8 +31,8 @@ import bench_engine  # noqa: E402
 import bench_transport  # noqa: E402
 
 from muxworker.native import crc32c  # noqa: E402
-from muxworker.worker.build import load_engine  # noqa: E402
-from muxworker.worker.config import EngineConfig  # noqa: E402
+from muxworker.worker.build import load_engine
+from muxworker.worker.engine.config import EngineConfig
 
 
 def _row(rows, what, ours, base, ratio):

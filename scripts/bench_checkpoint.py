@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_checkpoint_file import bench as file_bench  # noqa: E402
 
 from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker  # noqa: E402
-from muxworker.worker.identity import model_identity_files, worker_configuration  # noqa: E402
-from muxworker.worker.loader import resolve_model  # noqa: E402
+from muxworker.worker.models.identity import model_identity_files, worker_configuration
+from muxworker.worker.models.loader import resolve_model
 
 SUFFIX = 16
 TEXT = (

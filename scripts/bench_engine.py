@@ -13,8 +13,8 @@ import time
 import torch
 
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.sampling import SamplingParams
 
 
 def _drain(engine) -> dict[int, dict]:

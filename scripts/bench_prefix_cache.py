@@ -12,8 +12,8 @@ import statistics
 import time
 
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.sampling import SamplingParams
 
 TEXT = (
     "You are a careful coding assistant. Follow the repository's style, explain every change, "

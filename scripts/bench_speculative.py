@@ -22,9 +22,9 @@ import torch
 
 from make_draft import make_draft
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.loader import resolve_model
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.models.loader import resolve_model
+from muxworker.worker.engine.sampling import SamplingParams
 
 CHATS = [
     "What is the capital of France? Answer in two sentences.",

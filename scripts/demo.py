@@ -20,8 +20,8 @@ import trio
 
 from muxworker.chat import Conversation
 from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker
-from muxworker.worker.identity import model_identity_files, worker_configuration
-from muxworker.worker.loader import resolve_model
+from muxworker.worker.models.identity import model_identity_files, worker_configuration
+from muxworker.worker.models.loader import resolve_model
 
 SCRIPT_BEFORE = [
     "Hi! I'm planning a small vegetable garden. Which three vegetables are easiest for a beginner?",

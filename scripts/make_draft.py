@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from muxworker.worker.loader import load_model_dir, load_state_dict, resolve_model
+from muxworker.worker.models.loader import load_model_dir, load_state_dict, resolve_model
 
 COPIED_FILES = (
     "tokenizer.json",

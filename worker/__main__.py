@@ -23,7 +23,7 @@ def _stdout_to_stderr() -> None:
 if __name__ == "__main__":
     if not {"-h", "--help"} & set(sys.argv[1:]):  # --help is for a person: keep it on stdout
         _stdout_to_stderr()
-    from .server import main
+    from muxworker.worker.server import main
 
     code = main()
     # Everything is settled and sent: skip interpreter teardown (torch's can take a second), so the

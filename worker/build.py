@@ -15,15 +15,13 @@ from typing import Any, Callable, TextIO
 import torch
 
 from muxworker.transport.errors import InvalidArgument
+from muxworker.worker.backends.interface import Executor, planned_nbytes
+from muxworker.worker.engine import Engine, EngineConfig
+from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.models.loader import ModelFiles, load_model_dir, resolve_model
+from muxworker.worker.models.tokenizer import Tokenizer
 
-from .config import EngineConfig, ModelArgs
-from .engine import Engine
-from .executor import Executor, TorchExecutor
-from .loader import ModelFiles, load_model_dir, load_state_dict, resolve_model
-from .model import build_model
-from .tokenizer import Tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class BackendUnavailableError(ValueError):
@@ -34,7 +32,7 @@ class BackendUnavailableError(ValueError):
 class LoadedModel:
     files: ModelFiles
     args: ModelArgs
-    model: Any  # model.Transformer (torch) or mlx_model.Transformer (mlx)
+    model: Any  # the backend's Transformer
     tokenizer: Tokenizer
     name: str
     backend: str = "torch"
@@ -43,56 +41,35 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class Backend:
-    """What building an engine needs from one backend."""
+    """What building an engine needs from one backend: the mirror functions of its executor.py."""
 
     name: str
     # (device, dtype name) -> raise ValueError when this backend cannot run them; before any loading.
     check: Callable[[str, str], None]
-    # (files, args, device, dtype name) -> the backend's model with weights loaded.
-    build: Callable[[ModelFiles, ModelArgs, str, str], Any]
-    # (model, slots, max_session_tokens, device, rollback_rows) -> the executor the engine schedules
+    # (files, args, *, device, dtype name) -> the backend's model with weights loaded.
+    load: Callable[..., Any]
+    # (model, slots, max_session_tokens, rollback_rows, device) -> the executor the engine schedules
     # against; rollback_rows is how far a slot must be able to roll back (speculative decoding).
-    executor: Callable[[Any, int, int, str, int], Executor]
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; expected one of {', '.join(DTYPES)}") from None
+    executor: Callable[[Any, int, int, int, str], Executor]
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
     """The dtype's name as checkpoints and the wire spell it ("float32", "bfloat16", "float16")."""
-    dt = parse_dtype(dtype)
-    for name, value in DTYPES.items():
-        if value == dt:
-            return name
-    raise ValueError(f"dtype {dt} is not supported; expected one of {', '.join(DTYPES)}")
-
-
-def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
-    """float32/bfloat16 on CPU; bfloat16/float16 (and float32) on CUDA."""
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPE_NAMES)}")
+    return name
 
 
 def _torch_backend() -> Backend:
-    def check(device: str, dtype: str) -> None:
-        check_device_dtype(torch.device(device), DTYPES[dtype])
+    from muxworker.worker.backends.torch import executor as ex
 
-    def build(files: ModelFiles, args: ModelArgs, device: str, dtype: str):
-        state = load_state_dict(files.path, device="cpu")
-        return build_model(args, state, dtype=DTYPES[dtype], device=torch.device(device))
-
-    def executor(model, slots: int, max_session_tokens: int, device: str, rollback_rows: int) -> Executor:
-        return TorchExecutor(model, slots, max_session_tokens, rollback_rows)
-
-    return Backend("torch", check, build, executor)
+    return Backend(
+        "torch",
+        ex.check_device,
+        ex.load_model,
+        lambda model, slots, tokens, rollback, device: ex.TorchExecutor(model, slots, tokens, rollback),
+    )
 
 
 def _mlx_backend() -> Backend:
@@ -103,19 +80,15 @@ def _mlx_backend() -> Backend:
             "--backend mlx needs the mlx package, which is not installed: "
             "pip install 'muxworker[mlx]' (on Linux, mlx[cpu] or mlx[cuda])"
         ) from exc
-    from . import mlx_executor
+    from muxworker.worker.backends.mlx import executor as ex
 
-    def check(device: str, dtype: str) -> None:
-        mlx_executor.resolve_device(device)
-
-    def build(files: ModelFiles, args: ModelArgs, device: str, dtype: str):
-        return mlx_executor.load_model(files, args, device=device, dtype=dtype)
-
-    def executor(model, slots: int, max_session_tokens: int, device: str, rollback_rows: int) -> Executor:
-        # mlx_cache.RingLayerCache has spare rows like the torch ring, so drafts work on MLX too.
-        return mlx_executor.MLXExecutor(model, slots, max_session_tokens, rollback_rows, device=device)
-
-    return Backend("mlx", check, build, executor)
+    # The MLX ring has spare rows like the torch ring, so drafts work on MLX too.
+    return Backend(
+        "mlx",
+        ex.check_device,
+        ex.load_model,
+        lambda model, slots, tokens, rollback, device: ex.MLXExecutor(model, slots, tokens, rollback, device=device),
+    )
 
 
 # Backend name -> a function that imports it and returns its entry. Explicit, never globals().
@@ -152,7 +125,7 @@ def load_model(
     args = ModelArgs.from_dict(files.config)
     if check is not None:
         check(args, device_str, dt)
-    model = be.build(files, args, device_str, dt)
+    model = be.load(files, args, device=device_str, dtype=dt)
     tokenizer = Tokenizer.from_model_files(files)
     name = files.config.get("_name_or_path") or Path(model_dir).name
     return LoadedModel(files, args, model, tokenizer, str(name), be.name, device_str)
@@ -185,7 +158,7 @@ def load_engine(
     )
     be = get_backend(loaded.backend)
     slots = config.max_sessions + config.prefix_cache_entries
-    executor = be.executor(loaded.model, slots, config.max_session_tokens, loaded.device, config.n_draft)
+    executor = be.executor(loaded.model, slots, config.max_session_tokens, config.n_draft, loaded.device)
     draft_executor, draft_name = None, ""
     if draft is not None:
         drafted = load_model(
@@ -193,7 +166,7 @@ def load_engine(
             check=lambda a, d, t: check(a, d, t, "draft model"),
         )
         _check_same_tokenizer(loaded, drafted)
-        draft_executor = be.executor(drafted.model, slots, config.max_session_tokens, drafted.device, config.n_draft)
+        draft_executor = be.executor(drafted.model, slots, config.max_session_tokens, config.n_draft, drafted.device)
         draft_name = drafted.name
     return Engine(
         executor,
@@ -243,8 +216,6 @@ def available_memory(device: str) -> int | None:
 def _check_fits(args: ModelArgs, config: EngineConfig, device: str, dtype: str, what: str, planned: list[int]) -> None:
     """Refuse, before anything is allocated, a configuration the model cannot run or the memory
     cannot hold, naming the flags that size it."""
-    from .cache import planned_nbytes
-
     context = int(args.max_position_embeddings)
     if config.max_session_tokens > context:
         raise InvalidArgument(

@@ -51,10 +51,11 @@ from muxworker.transport.framing import MiB, Frame, attach_payload, payload_arra
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import error_control, hello_control, validate
 
-from .config import ConfigError, EngineConfig
+from muxworker.worker.models.args import ConfigError
+from muxworker.worker.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineOutput
+    from muxworker.worker.engine import Engine, EngineOutput
 
 __all__ = [
     "EXIT_OK",
@@ -444,7 +445,7 @@ class WorkerServer:
         try:
             stop = self._run()
         except Exception:
-            from .engine import Readiness
+            from muxworker.worker.engine import Readiness
 
             _log("the engine loop failed:\n" + traceback.format_exc())
             self._engine.readiness = Readiness.FAILED
@@ -621,7 +622,7 @@ class WorkerServer:
         self._deferred.append(self._ok(rid))
 
     def _generate(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        from .sampling import SamplingParams
+        from muxworker.worker.engine.sampling import SamplingParams
 
         prompt: list[str | list[int]] = []
         for segment in control["prompt"]:
@@ -654,7 +655,7 @@ class WorkerServer:
         self._write(Frame({"kind": "text", "id": rid, "text": self._engine.tokenizer.decode(ids.tolist())}))
 
     def _chat_template(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        from .tokenizer import ChatTemplateError
+        from muxworker.worker.models.tokenizer import ChatTemplateError
 
         tokenizer = self._engine.tokenizer
         try:
@@ -780,7 +781,7 @@ def _prompt_screen(max_session_tokens: int) -> Callable[[dict[str, Any], tuple[i
 
 def _load_error(exc: BaseException) -> MuxError:
     """The error frame a load failure is reported as: the worker's own message, classified."""
-    from .loader import ModelLoadError
+    from muxworker.worker.models.loader import ModelLoadError
 
     if isinstance(exc, MuxError):
         return exc
@@ -814,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     writer = FdFrameWriter(reply_fd)
     try:
-        from .build import load_engine
+        from muxworker.worker.build import load_engine
 
         if options.threads is not None:
             import torch

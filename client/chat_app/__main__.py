@@ -33,8 +33,8 @@ from muxworker.client import (
     default_worker_command,
     spawn_multiplexed_worker,
 )
-from muxworker.worker.identity import model_identity_files, worker_configuration
-from muxworker.worker.loader import ModelLoadError, resolve_model
+from muxworker.worker.models.identity import model_identity_files, worker_configuration
+from muxworker.worker.models.loader import ModelLoadError, resolve_model
 
 from . import (
     CHAT_SAMPLING_DEFAULTS,

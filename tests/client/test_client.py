@@ -166,7 +166,7 @@ async def test_worker_that_prints_to_stdout_keeps_the_protocol_intact(model_dir,
     wrapper = (
         "import runpy, sys\n"
         "print('stdout noise before main ' * 200, flush=True)\n"
-        "import muxworker.worker.tokenizer as t\n"
+        "import muxworker.worker.models.tokenizer as t\n"
         "encode = t.Tokenizer.encode\n"
         "def noisy(self, *a, **k):\n"
         "    print('stdout noise from encode')\n"
@@ -233,8 +233,8 @@ async def test_interleaved_sessions_complete_out_of_order_and_match_a_solo_engin
 
     # The same greedy continuations from the engine in-process, one request at a time.
     from muxworker.worker.build import load_engine
-    from muxworker.worker.config import EngineConfig
-    from muxworker.worker.sampling import SamplingParams
+    from muxworker.worker.engine.config import EngineConfig
+    from muxworker.worker.engine.sampling import SamplingParams
 
     engine = await trio.to_thread.run_sync(
         lambda: load_engine(model_dir, EngineConfig(max_sessions=1, max_session_tokens=512), progress=None)
@@ -464,7 +464,7 @@ async def test_worker_breaking_the_protocol_is_a_death(model_dir):
     wrapper = (
         "import os, runpy, sys\n"
         "fd = int(sys.argv[sys.argv.index('--reply-fd') + 1])\n"
-        "import muxworker.worker.tokenizer as t\n"
+        "import muxworker.worker.models.tokenizer as t\n"
         "def garbage(self, *a, **k):\n"
         "    os.write(fd, b'this is not a frame, not at all')\n"
         "    return []\n"

@@ -380,7 +380,7 @@ async def test_close_never_autosaves(worker_command, model_dir, tmp_path):
 
 @pytest.mark.slow
 async def test_smollm2_save_restart_resume_matches_a_cold_run(tmp_path):
-    from muxworker.worker.loader import bundled_gguf_path
+    from muxworker.worker.models.loader import bundled_gguf_path
 
     command = default_worker_command(max_session_tokens=1024)
     store_args = dict(model_files=[bundled_gguf_path()], configuration=_configuration(max_session_tokens=1024))

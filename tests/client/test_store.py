@@ -178,7 +178,7 @@ async def test_invalid_session_ids_are_invalid_arguments(store, sid):
 @pytest.mark.parametrize("unit", ["x", "ü", "🙂"])  # 1, 2 and 4 UTF-8 bytes
 async def test_the_store_accepts_exactly_the_session_ids_the_wire_accepts(store, unit):
     # One limit for both ends: an id the worker takes can be saved, and a saved id can be resumed.
-    from muxworker.worker import engine
+    from muxworker.worker.engine import core as engine
 
     assert engine.MAX_SESSION_ID_BYTES == MAX_SESSION_ID_BYTES
     n = MAX_SESSION_ID_BYTES // len(unit.encode())

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import torch
 
-from muxworker.worker.loader import resolve_model
+from muxworker.worker.models.loader import resolve_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["<think>"]

@@ -7,8 +7,10 @@ import torch
 from muxworker.transport.errors import InvalidArgument
 from muxworker.worker import build
 from muxworker.worker.build import load_engine, weight_nbytes
-from muxworker.worker.cache import KVCache, planned_nbytes
-from muxworker.worker.config import EngineConfig, ModelArgs
+from muxworker.worker.backends.torch.cache import KVCache
+from muxworker.worker.backends.interface import planned_nbytes
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.models.args import ModelArgs
 
 
 @pytest.mark.parametrize("windows", [[None, None], [16, None], [16, 16], [4096, 16]])
@@ -30,7 +32,9 @@ def no_weights_loaded(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the weights were loaded before the configuration was checked")
 
-    monkeypatch.setattr(build, "build_model", refuse)
+    from muxworker.worker.backends.torch import executor
+
+    monkeypatch.setattr(executor, "load_state_dict", refuse)
 
 
 def test_a_session_longer_than_the_context_is_refused_before_loading(tiny_llama_dir, no_weights_loaded):

@@ -12,8 +12,8 @@ import torch
 from gguf_testutil import converted_smollm, write_tiny_gguf
 from safetensors import safe_open
 
-from muxworker.worker.convert import UnsupportedGGUFError, convert_gguf, main, unpermute_rotary_rows
-from muxworker.worker.loader import InvalidModelError, bundled_gguf_path, load_model_dir, load_state_dict
+from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main, unpermute_rotary_rows
+from muxworker.worker.models.loader import InvalidModelError, bundled_gguf_path, load_model_dir, load_state_dict
 
 
 @pytest.fixture(scope="session")
@@ -207,7 +207,7 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import muxworker.worker.convert as convert_module
+    import muxworker.worker.models.convert as convert_module
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     calls = []

@@ -16,8 +16,8 @@ from muxworker.transport.errors import (
     Unsaveable,
 )
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.sampling import SamplingParams
 
 
 def make(model_dir, **cfg):

@@ -14,8 +14,8 @@ import torch
 from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
 from muxworker.transport.errors import CheckpointRejected, InternalError, SessionNotFound
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.sampling import SamplingParams
 from test_engine import greedy, prompt_ids, run
 
 WINDOW = 16

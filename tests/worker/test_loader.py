@@ -13,8 +13,8 @@ import torch
 from gguf_testutil import write_tiny_gguf
 from safetensors.torch import save_file
 
-from muxworker.worker import convert, loader
-from muxworker.worker.loader import (
+from muxworker.worker.models import convert, loader
+from muxworker.worker.models.loader import (
     BundledModelMissingError,
     InvalidModelError,
     ModelNotFoundError,

@@ -17,13 +17,13 @@ mx = pytest.importorskip("mlx.core")
 
 from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
 from muxworker.transport.errors import CheckpointRejected, SessionNotFound
-from muxworker.worker import cache as torch_cache
-from muxworker.worker import mlx_cache
+from muxworker.worker.backends.torch import cache as torch_cache
+from muxworker.worker.backends.mlx import cache as mlx_cache
 from muxworker.worker.build import BACKENDS, BackendUnavailableError, get_backend, load_engine, load_model
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.executor import TorchExecutor
-from muxworker.worker.mlx_executor import MLXExecutor
-from muxworker.worker.model import SeqSpan
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.backends.torch.executor import TorchExecutor
+from muxworker.worker.backends.mlx.executor import MLXExecutor
+from muxworker.worker.backends.interface import SeqSpan
 
 from test_engine import greedy, prompt_ids, run
 
@@ -44,7 +44,7 @@ def make(model_dir, backend, *, dtype="float32", **cfg):
 
 def executor(model_dir, backend, *, slots=2, max_tokens=256, dtype="float32", rollback_rows=0):
     loaded = load_model(model_dir, backend=backend, dtype=dtype, progress=None)
-    return get_backend(backend).executor(loaded.model, slots, max_tokens, "cpu", rollback_rows)
+    return get_backend(backend).executor(loaded.model, slots, max_tokens, rollback_rows, "cpu")
 
 
 def both(model_dir, **kw):
@@ -427,7 +427,7 @@ def test_torch_backend_never_imports_mlx(tiny_llama_dir):
     code = (
         "import sys\n"
         "from muxworker.worker.build import load_engine\n"
-        "from muxworker.worker.config import EngineConfig\n"
+        "from muxworker.worker.engine.config import EngineConfig\n"
         f"eng = load_engine({str(tiny_llama_dir)!r}, EngineConfig(max_session_tokens=64), progress=None)\n"
         "assert eng.backend == 'torch'\n"
         "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules), 'mlx imported'\n"

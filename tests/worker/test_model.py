@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from muxworker.worker.cache import KVCache
-from muxworker.worker.config import ModelArgs
-from muxworker.worker.model import SeqSpan, build_model
+from muxworker.worker.backends.torch.cache import KVCache
+from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.torch.model import build_model
 
 ARCHS = ["llama", "llama3", "qwen2", "mistral"]
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.sampling import SamplingParams
 
 from test_engine import greedy, prompt_ids, run
 

@@ -14,7 +14,7 @@ from muxworker.client.params import GenerationParams
 from muxworker.transport.errors import ContextOverflow, InvalidArgument
 from muxworker.transport.sampling import SAMPLING_FIELD_NAMES, TEMPERATURE_FLOOR, SamplingFields
 from muxworker.transport.schema import MESSAGES
-from muxworker.worker.sampling import Penalties, SamplingParams, processed_probs, sample
+from muxworker.worker.engine.sampling import Penalties, SamplingParams, processed_probs, sample
 from test_engine import greedy, make, prompt_ids, run
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from muxworker.worker.build import load_engine
-from muxworker.worker.config import EngineConfig
-from muxworker.worker.loader import bundled_gguf_path
-from muxworker.worker.sampling import SamplingParams
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.models.loader import bundled_gguf_path
+from muxworker.worker.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

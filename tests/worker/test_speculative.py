@@ -15,11 +15,13 @@ import torch
 from muxworker.transport.checkpoint import CheckpointRetentionError, CPUCheckpoint
 from muxworker.transport.errors import CheckpointRejected, InvalidArgument, SessionNotFound
 from muxworker.worker.build import load_engine, load_model
-from muxworker.worker.config import EngineConfig, ModelArgs
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.engine import Engine
-from muxworker.worker.executor import TorchExecutor
-from muxworker.worker.model import SeqSpan, Transformer
-from muxworker.worker.sampling import SamplingParams, processed_probs, speculative_accept
+from muxworker.worker.backends.torch.executor import TorchExecutor
+from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.torch.model import Transformer
+from muxworker.worker.engine.sampling import SamplingParams, processed_probs, speculative_accept
 
 from test_engine import greedy, prompt_ids, run
 
@@ -499,7 +501,7 @@ def test_worker_process_runs_a_draft(llama, drafts, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_early_exit_draft_greedy_matches(tmp_path):
-    from muxworker.worker.loader import resolve_model
+    from muxworker.worker.models.loader import resolve_model
 
     draft = make_draft(resolve_model(None, progress=None), tmp_path / "smollm2-draft-8", 8)
     eng = make(None, draft=draft, max_session_tokens=1024)

@@ -9,9 +9,9 @@ import pytest
 from gguf_testutil import TINY_TEMPLATE, converted_smollm, write_tiny_gguf
 from tokenizers import pre_tokenizers
 
-from muxworker.worker.convert import convert_gguf
-from muxworker.worker.loader import bundled_gguf_path
-from muxworker.worker.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from muxworker.worker.models.convert import convert_gguf
+from muxworker.worker.models.loader import bundled_gguf_path
+from muxworker.worker.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "Hello, world! How are you today?",

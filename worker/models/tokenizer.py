@@ -15,7 +15,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .loader import ModelFiles, load_model_dir
+from muxworker.worker.models.loader import ModelFiles, load_model_dir
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
 

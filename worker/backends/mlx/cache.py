@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import CacheRetention, FullRetention, RingRetention
+from muxworker.worker.backends.interface import CacheRetention, FullRetention, RingRetention
 
 __all__ = ["AttentionKV", "FullLayerCache", "KVCache", "LayerCache", "RingLayerCache"]
 

@@ -7,42 +7,43 @@ and gets float32 logits back on the CPU, and it moves checkpoint rows through ``
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
+from muxworker.worker.backends.interface import SeqSpan, check_batch
+from muxworker.worker.backends.torch.cache import KVCache
+from muxworker.worker.backends.torch.model import Transformer, build_model
+from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.models.loader import ModelFiles, load_state_dict
 
-from .cache import KVCache
-from .config import ModelArgs
-from .model import SeqSpan, Transformer
+__all__ = ["DTYPES", "TorchExecutor", "check_device", "load_model", "resolve_device"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Executor(Protocol):
-    backend: str
-    args: ModelArgs
-    cache: KVCache  # anything with can_truncate / earliest_position / windows / nbytes
+def check_device(device: str, dtype: str) -> None:
+    """Raise ValueError when this backend cannot run ``dtype`` on ``device``; before any loading:
+    float32/bfloat16 on CPU; bfloat16/float16 (and float32) on CUDA."""
+    dev = resolve_device(device)
+    if dev.type == "cpu" and DTYPES[dtype] == torch.float16:
+        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
 
-    @property
-    def dtype_name(self) -> str: ...
 
-    @property
-    def device_name(self) -> str: ...
+def resolve_device(device: str) -> torch.device:
+    """The torch device for a --device name; raise ValueError when it is absent."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    return dev
 
-    def forward(
-        self, tokens: list[int], positions: list[int], spans: list[SeqSpan], logits_rows: list[int]
-    ) -> torch.Tensor:
-        """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
-        ...
 
-    def export_layers(self, slot: int, length: int, position: int, floor: int = 0) -> list[LayerState]: ...
-
-    def import_layers(self, slot: int, position: int, layers: list[LayerState]) -> int:
-        """Write a checkpoint's rows continuing at ``position`` into ``slot`` (every other row of the
-        slot zeroed) and return the restored slot's floor: the first position every ring layer
-        holds (see engine.py), 0 when every claimed row was imported."""
-        ...
+def load_model(files: ModelFiles, args: ModelArgs, *, device: str, dtype: str) -> Transformer:
+    """Load a model directory's weights into the torch model, cast to ``dtype``, on ``device``."""
+    state = load_state_dict(files.path, device="cpu")
+    return build_model(args, state, dtype=DTYPES[dtype], device=resolve_device(device))
 
 
 class TorchExecutor:
@@ -76,7 +77,11 @@ class TorchExecutor:
     def device_name(self) -> str:
         return str(self.device)
 
-    def forward(self, tokens, positions, spans, logits_rows):
+    def forward(
+        self, tokens: Sequence[int], positions: Sequence[int], spans: Sequence[SeqSpan], logits_rows: Sequence[int]
+    ) -> torch.Tensor:
+        """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
+        check_batch(tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.cache.max_tokens)
         dev = self.device
         logits = self.model(
             torch.tensor(tokens, dtype=torch.long, device=dev),

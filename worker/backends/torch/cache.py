@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from muxworker.transport.checkpoint import required_rows
+from muxworker.worker.backends.interface import CacheRetention, FullRetention, RingRetention
 
 
 @dataclass(frozen=True)
@@ -30,72 +30,6 @@ class AttentionKV:
     v: torch.Tensor  # [KV, L, D]
     lo: int
     ordered: bool = True
-
-
-class FullRetention:
-    """Full attention keeps every row: any position <= length can be continued from."""
-
-    window: int | None = None
-
-    def retained(self, length: int) -> tuple[int, int]:
-        return 0, length
-
-    def needed(self, position: int) -> int:
-        return 0
-
-    def keep(self, position: int) -> int:
-        return 0
-
-
-class RingRetention:
-    """A sliding window W keeps the last W positions (spare rollback rows are never counted) and
-    continuing from p needs rows [p - (W - 1), p): the rule checkpoints use (required_rows)."""
-
-    window: int
-
-    def retained(self, length: int) -> tuple[int, int]:
-        return max(0, length - self.window), length
-
-    def needed(self, position: int) -> int:
-        return required_rows(self.window, position)[0]
-
-    def keep(self, position: int) -> int:
-        """First position a slot of length ``position`` claims to retain (``retained``'s lo): what
-        an export at ``position`` writes, so that a restored slot holds every row it claims and can
-        still truncate to ``position - 1`` (the exact retry)."""
-        return max(0, position - self.window)
-
-
-def _held_from(layer, length: int, floor: int) -> int:
-    """First position a ring layer of a slot holding ``length`` rows really holds: its retention,
-    raised to ``floor`` where a restore wrote fewer rows (the engine's kv_floor)."""
-    lo = layer.retained(length)[0]
-    return max(lo, floor) if layer.window is not None else lo
-
-
-class CacheRetention:
-    """Whole-cache retention questions, from the layers' own (shared by every backend's KVCache).
-
-    ``floor`` (default 0) is the first position a restored slot's ring layers really hold; full
-    layers always hold every row from 0, so it never applies to them.
-    """
-
-    layers: list
-
-    def can_truncate(self, length: int, position: int, floor: int = 0) -> bool:
-        """Whether a slot holding ``length`` rows can continue from ``position`` <= length."""
-        if position > length:
-            return False
-        return all(_held_from(layer, length, floor) <= layer.needed(position) for layer in self.layers)
-
-    def earliest_position(self, length: int, floor: int = 0) -> int:
-        """The smallest position > 0 a slot holding ``length`` rows can continue from."""
-        lo = 1
-        for layer in self.layers:
-            held = _held_from(layer, length, floor)
-            if layer.window is not None and held > 0:
-                lo = max(lo, held + layer.window - 1)
-        return min(lo, length)
 
 
 class LayerCache:
@@ -280,24 +214,6 @@ class RingLayerCache(RingRetention, LayerCache):
     def copy_slot(self, src, dst, length):
         self.k[dst] = self.k[src]
         self.v[dst] = self.v[src]
-
-
-def planned_nbytes(
-    windows: list[int | None],
-    slots: int,
-    max_tokens: int,
-    kv_heads: int,
-    head_dim: int,
-    itemsize: int,
-    rollback_rows: int = 0,
-) -> int:
-    """What :class:`KVCache` with these arguments allocates, in bytes, computed before allocating
-    (the MLX cache has the same layouts and sizes)."""
-    rows = 0
-    for w in windows:
-        full = w is None or w >= max_tokens
-        rows += max_tokens if full else w + min(rollback_rows, max_tokens - w)
-    return 2 * slots * rows * kv_heads * head_dim * itemsize
 
 
 class KVCache(CacheRetention):

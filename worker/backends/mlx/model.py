@@ -15,17 +15,16 @@ L keys attended, V vocabulary, P rope positions.
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import ModelArgs, rope_inv_freq
-from .loader import InvalidModelError
-from .mlx_cache import KVCache
-from .model import SeqSpan
+from muxworker.worker.models.args import ModelArgs, rope_inv_freq
+from muxworker.worker.models.loader import InvalidModelError
+from muxworker.worker.backends.mlx.cache import KVCache
+from muxworker.worker.backends.interface import SeqSpan
 
 __all__ = [
     "ARCHITECTURES",
@@ -33,10 +32,8 @@ __all__ = [
     "DecoderLayer",
     "MLP",
     "RMSNorm",
-    "SeqSpan",
     "Transformer",
     "build_model",
-    "load_state_dict",
 ]
 
 
@@ -227,20 +224,6 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
     "Qwen2ForCausalLM": Transformer,
     "MistralForCausalLM": Transformer,
 }
-
-
-def load_state_dict(weight_files: Sequence[str | os.PathLike[str]]) -> dict[str, mx.array]:
-    """Every tensor of the safetensors files under its Hugging Face name, in its stored dtype."""
-    state: dict[str, mx.array] = {}
-    for file in weight_files:
-        arrays = mx.load(str(file), format="safetensors")
-        if not isinstance(arrays, dict):
-            raise InvalidModelError(f"{file} did not load as a safetensors map of tensors")
-        for name, array in arrays.items():
-            if name in state:
-                raise InvalidModelError(f"tensor {name!r} appears in more than one weight file ({file})")
-            state[name] = array
-    return state
 
 
 def build_model(args: ModelArgs, state_dict: dict[str, mx.array], *, dtype: mx.Dtype) -> Transformer:

@@ -11,6 +11,7 @@ no work stays lazily deferred across engine steps.
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import mlx.core as mx
@@ -19,23 +20,30 @@ import torch
 
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
 
-from .config import ModelArgs
-from .loader import ModelFiles
-from .mlx_cache import KVCache
-from .mlx_model import SeqSpan, Transformer, build_model, load_state_dict
+from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.models.loader import ModelFiles
+from muxworker.worker.backends.mlx.cache import KVCache
+from muxworker.worker.backends.interface import SeqSpan, check_batch
+from muxworker.worker.backends.mlx.model import Transformer, build_model
+from muxworker.worker.models.loader import InvalidModelError
 
-__all__ = ["DEVICES", "DTYPES", "MLXExecutor", "load_model"]
+__all__ = ["DTYPES", "MLXExecutor", "check_device", "load_model", "resolve_device"]
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # --device names this backend accepts: "cpu", or the MLX GPU (Metal on macOS, CUDA where mlx[cuda]
 # is installed) under the names the worker's --device and MLX use for it.
-DEVICES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "metal": "gpu"}
+_DEVICES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "metal": "gpu"}
+
+
+def check_device(device: str, dtype: str) -> None:
+    """Raise ValueError when this backend cannot run ``dtype`` on ``device``; before any loading."""
+    resolve_device(device)
 
 
 def resolve_device(device: str) -> mx.Device:
     """The MLX device for a --device name; raise ValueError when unknown or absent."""
-    kind = DEVICES.get(str(device))
+    kind = _DEVICES.get(str(device))
     if kind is None:
         raise ValueError(f"--backend mlx runs on device cpu or gpu (cuda, metal), got {device!r}")
     dev = mx.cpu if kind == "cpu" else mx.gpu
@@ -51,7 +59,21 @@ def load_model(files: ModelFiles, args: ModelArgs, *, device: str, dtype: str) -
     except KeyError:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}") from None
     with mx.stream(resolve_device(device)):
-        return build_model(args, load_state_dict(files.weight_files), dtype=dt)
+        return build_model(args, _load_state_dict(files.weight_files), dtype=dt)
+
+
+def _load_state_dict(weight_files: Sequence[str | os.PathLike[str]]) -> dict[str, mx.array]:
+    """Every tensor of the safetensors files under its Hugging Face name, in its stored dtype."""
+    state: dict[str, mx.array] = {}
+    for file in weight_files:
+        arrays = mx.load(str(file), format="safetensors")
+        if not isinstance(arrays, dict):
+            raise InvalidModelError(f"{file} did not load as a safetensors map of tensors")
+        for name, array in arrays.items():
+            if name in state:
+                raise InvalidModelError(f"tensor {name!r} appears in more than one weight file ({file})")
+            state[name] = array
+    return state
 
 
 class MLXExecutor:
@@ -97,12 +119,7 @@ class MLXExecutor:
     ) -> torch.Tensor:
         """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
         # MLX gathers do not check bounds: out-of-range ids or positions would read garbage.
-        if tokens and not 0 <= min(tokens) <= max(tokens) < self.args.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.args.vocab_size})")
-        if positions and not 0 <= min(positions) <= max(positions) < self.model.rope_positions:
-            raise ValueError(f"positions must lie in [0, {self.model.rope_positions})")
-        if logits_rows and not 0 <= min(logits_rows) <= max(logits_rows) < len(tokens):
-            raise ValueError(f"logits rows must lie in [0, {len(tokens)})")
+        check_batch(tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.model.rope_positions)
         with mx.stream(self.device):
             logits = self.model(
                 mx.array(tokens, dtype=mx.int32),

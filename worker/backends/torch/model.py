@@ -16,18 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
-from .config import ModelArgs, rope_inv_freq
-
-
-@dataclass(frozen=True)
-class SeqSpan:
-    """One sequence in a packed batch: rows [offset, offset+length) at positions [start, start+length)."""
-
-    slot: int
-    start: int
-    length: int
-    offset: int
+from muxworker.worker.backends.torch.cache import KVCache
+from muxworker.worker.models.args import ModelArgs, rope_inv_freq
 
 
 class RMSNorm(nn.Module):

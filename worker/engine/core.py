@@ -67,12 +67,19 @@ from muxworker.transport.errors import (
     Unsaveable,
 )
 
-from .config import EngineConfig
-from .executor import Executor
-from .prefix_cache import PrefixCache
-from .model import SeqSpan
-from .sampling import Penalties, SamplingError, SamplingParams, sample, sample_draft, verify_drafts
-from .tokenizer import IncrementalDetokenizer
+from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.backends.interface import Executor
+from muxworker.worker.engine.prefix_cache import PrefixCache
+from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.engine.sampling import (
+    Penalties,
+    SamplingError,
+    SamplingParams,
+    sample,
+    sample_draft,
+    verify_drafts,
+)
+from muxworker.worker.models.tokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int] | Sequence[str | Sequence[int]]
 

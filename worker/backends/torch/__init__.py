@@ -1,0 +1,1 @@
+"""The torch backend (CPU, CUDA): ``model.py``, ``cache.py``, ``executor.py``."""
