@@ -31,6 +31,7 @@ __all__ = [
     "CacheRetention",
     "planned_nbytes",
     "check_batch",
+    "geometry",
 ]
 
 
@@ -171,3 +172,14 @@ def planned_nbytes(
     return 2 * slots * rows * kv_heads * head_dim * itemsize
 
 
+
+
+def geometry(executor: Executor) -> dict[str, Any]:
+    """An executor's KV geometry as checkpoints record it."""
+    args = executor.args
+    return {
+        "num_layers": int(args.num_hidden_layers),
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": int(args.head_dim),  # type: ignore[arg-type]
+        "windows": list(executor.cache.windows),
+    }

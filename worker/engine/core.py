@@ -1,6 +1,8 @@
-"""The engine: named sessions, a continuous-batching scheduler, and the model's KV cache.
+"""The engine facade: named sessions, submit, cancel, step, export and restore, over one executor.
 
-Plain calls, no I/O. The worker process (server.py) and the tests drive the same methods.
+Plain calls, no I/O. The worker process (server.py) and the tests drive the same methods. A step
+reads schedule (scheduler.py) -> propose drafts (speculative.py) -> pack -> execute -> update
+(sampling.py for the tokens, output.py for text, stop strings and the result).
 
 Ownership: one thread (the caller of ``step``) owns everything here: the model, the KV cache, every
 session's history and every request's sampling state. Other threads must talk to the engine through
@@ -40,19 +42,14 @@ Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULAT
 """
 from __future__ import annotations
 
-import bisect
-import enum
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from muxworker.native import all_finite
-from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype
-from muxworker.transport.prompt import SpecialText
-from muxworker.transport.schema import MAX_SESSION_ID_BYTES
+from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -66,43 +63,21 @@ from muxworker.transport.errors import (
     SessionNotFound,
     Unsaveable,
 )
-
+from muxworker.transport.prompt import SpecialText
+from muxworker.transport.schema import MAX_SESSION_ID_BYTES
+from muxworker.worker.backends.interface import Executor, geometry
+from muxworker.worker.engine import output
 from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.backends.interface import Executor
 from muxworker.worker.engine.prefix_cache import PrefixCache
-from muxworker.worker.backends.interface import SeqSpan
-from muxworker.worker.engine.sampling import (
-    Penalties,
-    SamplingError,
-    SamplingParams,
-    sample,
-    sample_draft,
-    verify_drafts,
-)
+from muxworker.worker.engine.sampling import Penalties, SamplingError, SamplingParams, sample, verify_drafts
+from muxworker.worker.engine.scheduler import Batch, Scheduler
+from muxworker.worker.engine.speculative import DraftProposer, Proposal
+from muxworker.worker.engine.state import EngineOutput, Phase, Readiness, Request, Session, common_prefix
 from muxworker.worker.models.tokenizer import IncrementalDetokenizer
 
+__all__ = ["Engine", "EngineOutput", "Readiness", "Prompt"]
+
 Prompt = str | Sequence[int] | Sequence[str | Sequence[int]]
-
-
-def _rollback_rows(cache: Any) -> int:
-    """Rows a slot of ``cache`` may write past its length and then drop (see cache.RingLayerCache)."""
-    rows = getattr(cache, "rollback_rows", None)
-    if rows is not None:
-        return int(rows)
-    # A cache without spare ring rows can still roll back when no layer is a ring.
-    if all(w is None or w >= cache.max_tokens for w in cache.windows):
-        return cache.max_tokens
-    return 0
-
-
-def _geometry(executor: Executor) -> dict[str, Any]:
-    args = executor.args
-    return {
-        "num_layers": int(args.num_hidden_layers),
-        "num_kv_heads": args.num_kv_heads,
-        "head_dim": int(args.head_dim),  # type: ignore[arg-type]
-        "windows": list(executor.cache.windows),
-    }
 
 
 def _check_finite(what: str, layers: Sequence[LayerState], dtype: str) -> None:
@@ -114,86 +89,6 @@ def _check_finite(what: str, layers: Sequence[LayerState], dtype: str) -> None:
         for name, rows in (("keys", layer.keys), ("values", layer.values)):
             if not all_finite(np.ascontiguousarray(rows), bfloat16=bf16):
                 raise CheckpointRejected(f"checkpoint {what} {i} {name} hold NaN or infinite values")
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
-
-
-class Readiness(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass
-class EngineOutput:
-    """A text delta for one request; the last one for a request carries ``result``."""
-
-    request_id: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    result: dict[str, Any] | None = None
-    error: MuxError | None = None  # set when finish_reason is "error"
-
-
-class _Phase(enum.Enum):
-    PREFILL = 1
-    DECODE = 2
-
-
-@dataclass
-class _Session:
-    sid: str
-    slot: int
-    tokens: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    request: "_Request | None" = None
-    unsaveable: str | None = "empty"  # why it cannot be exported now, None when it can
-    # Rows [0, draft_len) of the draft's cache slot hold the draft's KV of tokens[:draft_len];
-    # always <= kv_len (0 without a draft). tokens[draft_len:kv_len] are pending for the draft.
-    draft_len: int = 0
-    # The first position the slot's ring layers really hold when it was filled by a restore (or
-    # from a prefix-cache entry that was); 0 when every row was computed here. See the docstring.
-    kv_floor: int = 0
-    draft_floor: int = 0
-
-
-@dataclass
-class _Request:
-    rid: int
-    session: _Session
-    prompt: list[int]
-    params: SamplingParams
-    max_new: int
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    detok: Any
-    reused: int
-    phase: _Phase = _Phase.PREFILL
-    generated: list[int] = field(default_factory=list)
-    held_text: str = ""  # decoded text withheld because it may start a stop string
-    stop_cut: bool = False  # a stop string ended the output
-    t_submit: float = 0.0
-    t_first_token: float | None = None
-    finished: bool = False
-    fresh: bool = False  # the session had no history: its prefilled prompt may seed the prefix cache
-    draft_proposed: int = 0  # tokens the draft proposed for this request
-    draft_accepted: int = 0  # of those, tokens the target accepted and the session committed
-    penalties: Penalties | None = None  # only when a penalty is on
-    text_ends: list[int] = field(default_factory=list)  # output text length after each generated token
-    emitted: int = 0  # characters of output text sent so far
-
-
-@dataclass
-class _Proposal:
-    """The draft's tokens for one decoding request in one step."""
-
-    tokens: list[int]
-    probs: list[torch.Tensor]  # q [V] each token was drawn from; empty when greedy
 
 
 class Engine:
@@ -232,57 +127,39 @@ class Engine:
             self.cache, range(config.max_sessions, config.max_sessions + config.prefix_cache_entries)
         )
         self.vocab_size = int(self.args.vocab_size)
-        self.draft = draft
-        self.draft_name = draft_name
+        if draft is None and config.n_draft:
+            raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
+        self.proposer = DraftProposer(draft, executor, config, draft_name) if draft is not None else None
         self.n_draft = config.n_draft
-        if draft is not None or config.n_draft:
-            self._check_draft(draft, config)
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._free_slots: list[int] = list(range(config.max_sessions - 1, -1, -1))
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._outputs: list[EngineOutput] = []
-        self._decode_cursor = 0
-        self._prefill_cursor = 0
+        self._scheduler = Scheduler(config)
         self._seed_gen = torch.Generator().manual_seed(config.seed if config.seed is not None else 0x5EED)
         self._closed = False
         # Test and benchmark hook: called with the session ids of every forward pass.
         self.on_forward: Callable[[list[str]], None] | None = None
-        self.stats = {"forward_calls": 0, "forward_time_s": 0.0, "draft_forward_calls": 0, "draft_forward_time_s": 0.0}
+        self._stats = {"forward_calls": 0, "forward_time_s": 0.0}
         self.readiness = Readiness.READY
 
-    def _check_draft(self, draft: Executor | None, config: EngineConfig) -> None:
-        if draft is None:
-            raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
-        if config.n_draft < 1:
-            raise InvalidArgument("a draft model needs n_draft >= 1 (tokens proposed per step)")
-        draft_vocab = int(draft.args.vocab_size)
-        if draft_vocab != self.vocab_size:
-            raise InvalidArgument(
-                f"the draft model's vocabulary has {draft_vocab} tokens but the target's has {self.vocab_size}; "
-                "a draft must use the target's tokenizer"
-            )
-        if draft.dtype_name != self.executor.dtype_name:
-            raise InvalidArgument(f"the draft runs in {draft.dtype_name} but the target in {self.executor.dtype_name}")
-        if draft.cache.slots < self.cache.slots:
-            raise InvalidArgument(
-                f"the draft's cache has {draft.cache.slots} slots; the target's has {self.cache.slots}"
-            )
-        draft_context = int(draft.args.max_position_embeddings)
-        if config.max_session_tokens > draft_context:
-            raise InvalidArgument(
-                f"max_session_tokens ({config.max_session_tokens}) exceeds the draft model's context length "
-                f"({draft_context})"
-            )
-        # Verification writes 1 + k target rows and keeps as few as 1; the draft writes k and keeps 1.
-        for who, cache, rows in (("target", self.cache, config.n_draft), ("draft", draft.cache, config.n_draft - 1)):
-            if _rollback_rows(cache) < rows:
-                raise InvalidArgument(
-                    f"the {who}'s KV cache cannot roll back {rows} rows; build its executor with "
-                    f"rollback_rows >= {config.n_draft} (sliding-window rings need that many spare rows)"
-                )
-
     # ----------------------------------------------------------------- description
+
+    @property
+    def draft(self) -> Executor | None:
+        """The draft model's executor (speculative decoding), if any."""
+        return self.proposer.executor if self.proposer is not None else None
+
+    @property
+    def draft_name(self) -> str:
+        return self.proposer.name if self.proposer is not None else ""
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Forward counts and times of the target (and the draft, with one)."""
+        draft = self.proposer.stats if self.proposer is not None else {"draft_forward_calls": 0, "draft_forward_time_s": 0.0}
+        return {**self._stats, **draft}
 
     @property
     def backend(self) -> str:
@@ -308,7 +185,7 @@ class Engine:
             "has_chat_template": bool(getattr(tok, "has_chat_template", False)),
             "bos_token_id": getattr(tok, "bos_token_id", None),
             "eos_token_ids": list(self.eos_token_ids),
-            "draft": None if self.draft is None else {"name": self.draft_name, "n_draft": self.n_draft},
+            "draft": None if self.proposer is None else {"name": self.draft_name, "n_draft": self.n_draft},
         }
 
     # ----------------------------------------------------------------- sessions
@@ -321,7 +198,7 @@ class Engine:
             raise InvalidArgument(f"session id is longer than {MAX_SESSION_ID_BYTES} UTF-8 bytes")
         return sid
 
-    def _session(self, sid: str) -> _Session:
+    def _session(self, sid: str) -> Session:
         self._check_session_id(sid)
         s = self._sessions.get(sid)
         if s is None:
@@ -341,7 +218,7 @@ class Engine:
             raise SessionExists(f"session {sid!r} is already open")
         if not self._free_slots:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
-        self._sessions[sid] = _Session(sid, self._free_slots.pop())
+        self._sessions[sid] = Session(sid, self._free_slots.pop())
 
     def close_session(self, sid: str) -> None:
         s = self._session(sid)
@@ -356,9 +233,7 @@ class Engine:
         s = self._session(sid)
         if s.request is not None:
             self._finish(s.request, "cancelled")
-        s.tokens = []
-        s.kv_len = s.kv_floor = 0
-        s.draft_len = s.draft_floor = 0
+        s.forget()
         s.unsaveable = "empty"
 
     def session_ids(self) -> list[str]:
@@ -402,9 +277,9 @@ class Engine:
             raise InvalidArgument("the prompt is empty")
         return ids
 
-    def _reusable_prefix(self, s: _Session, prompt: list[int]) -> int:
+    def _reusable_prefix(self, s: Session, prompt: list[int]) -> int:
         """Rows of the session's cache the prompt can keep (at most len(prompt) - 1)."""
-        common = _common_prefix(s.tokens, prompt, min(s.kv_len, len(prompt) - 1))
+        common = common_prefix(s.tokens, prompt, min(s.kv_len, len(prompt) - 1))
         if common and not self.cache.can_truncate(s.kv_len, common, s.kv_floor):
             return 0
         return common
@@ -448,7 +323,7 @@ class Engine:
         if hit is not None and hit[1] > reused:
             floor = self.prefix_cache.copy_into(hit[0], s.slot, hit[1])
             reused = hit[1]
-        req = _Request(
+        req = Request(
             rid=request_id,
             session=s,
             prompt=ids,
@@ -462,15 +337,8 @@ class Engine:
             fresh=fresh,
             penalties=Penalties(params, ids, self.vocab_size) if params.penalized else None,
         )
-        if self.draft is not None:
-            # The draft keeps what its own rows share with the prompt, never more than the target;
-            # the rest (a prefix-cache hit included) is pending and fed with the first prefill chunk.
-            keep = _common_prefix(s.tokens, ids, min(s.draft_len, reused))
-            if keep and not self.draft.cache.can_truncate(s.draft_len, keep, s.draft_floor):
-                keep = 0
-            s.draft_len = keep
-            if not keep:
-                s.draft_floor = 0
+        if self.proposer is not None:
+            self.proposer.keep_on_submit(s, ids, reused)
         # Commit the prompt: the session now continues from ``reused`` rows.
         s.tokens = list(ids)
         s.kv_len = reused
@@ -495,98 +363,57 @@ class Engine:
     def inflight(self) -> int:
         return len(self._requests)
 
-    # ----------------------------------------------------------------- stepping
+    # ----------------------------------------------------------------- ending a request
 
-    def _finish(self, req: _Request, reason: str, error: MuxError | None = None) -> None:
+    def _finish(self, req: Request, reason: str, error: MuxError | None = None) -> None:
+        """End ``req``: commit what its session keeps (see the module docstring) and queue its result."""
         if req.finished:
             return
         req.finished = True
         s = req.session
-        now = time.perf_counter()
         if reason == "error":
-            s.tokens, s.kv_len, s.kv_floor, s.draft_len, s.draft_floor = [], 0, 0, 0, 0
+            s.forget()
             s.unsaveable = "the last generation failed"
         else:
             # Drop prompt tokens that never got KV (cancelled during prefill).
-            if req.phase is _Phase.PREFILL:
+            if req.phase is Phase.PREFILL:
                 s.tokens = s.tokens[: s.kv_len]
             elif req.stop_cut:
-                self._commit_visible(req)
+                self._truncate(s, len(req.prompt) + output.visible_tokens(req))
             s.unsaveable = None if s.kv_len else "empty"
         s.request = None
         del self._requests[req.rid]
-        tail = ""
-        if reason in ("length", "stop") and not req.stop_cut:
-            tail = req.held_text + req.detok.flush()
-        t_first = req.t_first_token if req.t_first_token is not None else now
-        result = {
-            "finish_reason": reason,
-            "prompt_tokens": len(req.prompt),
-            "reused_prompt_tokens": req.reused,
-            "prefilled_prompt_tokens": len(req.prompt) - req.reused,
-            "completion_tokens": len(req.generated),
-            "committed_tokens": max(0, len(s.tokens) - len(req.prompt)),
-            "generated_token_ids": list(req.generated),
-            "prefill_time_s": t_first - req.t_submit,
-            "decode_time_s": now - t_first,
-            "draft_proposed_tokens": req.draft_proposed,
-            "draft_accepted_tokens": req.draft_accepted,
-        }
-        self._outputs.append(EngineOutput(req.rid, tail, [], result, error))
+        tail = req.held_text + req.detok.flush() if reason in ("length", "stop") and not req.stop_cut else ""
+        self._outputs.append(EngineOutput(req.rid, tail, [], output.result(req, reason, time.perf_counter()), error))
 
-    def _commit_visible(self, req: _Request) -> None:
-        """After a stop-string cut: keep only the generated tokens whose text is wholly visible."""
-        s = req.session
-        visible = req.emitted
-        keep = bisect.bisect_right(req.text_ends, visible)
-        # A trailing token with no text of its own (a partial UTF-8 sequence) belongs to what follows.
-        while keep and req.text_ends[keep - 1] == (req.text_ends[keep - 2] if keep > 1 else 0):
-            keep -= 1
-        length = len(req.prompt) + keep
+    def _truncate(self, s: Session, length: int) -> None:
+        """Keep ``tokens[:length]`` (dropping the rows past it by length) where every cache still
+        holds what continuing from there needs; otherwise keep everything (exact, only colder)."""
         if length >= len(s.tokens) or length > s.kv_len:
-            return  # every token is visible, or the rows before the cut were never written
+            return  # nothing to drop, or the rows before the cut were never written
         if not self.cache.can_truncate(s.kv_len, length, s.kv_floor):
-            return  # a ring no longer holds the rows before the cut: commit everything (exact, colder)
+            return  # a ring no longer holds the rows before the cut
         s.tokens = s.tokens[:length]
         s.kv_len = length
-        if self.draft is not None and s.draft_len > length:
-            if self.draft.cache.can_truncate(s.draft_len, length, s.draft_floor):
+        draft = self.draft
+        if draft is not None and s.draft_len > length:
+            if draft.cache.can_truncate(s.draft_len, length, s.draft_floor):
                 s.draft_len = length
             else:
                 s.draft_len = s.draft_floor = 0  # the draft refeeds the history from the start
 
-    def _emit_text(self, req: _Request, token: int) -> EngineOutput:
-        delta = req.detok.push(token)
-        req.text_ends.append((req.text_ends[-1] if req.text_ends else 0) + len(delta))
-        out = self._visible(req, delta, token)
-        req.emitted += len(out.text)
-        return out
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """End one request whose own processing raised; the other requests of the step carry on."""
+        if req.finished:
+            return
+        if isinstance(exc, InternalError):
+            error = exc
+        else:
+            message = str(exc) if isinstance(exc, SamplingError) else f"{type(exc).__name__}: {exc}"
+            error = InternalError(f"request {req.rid} failed: {message}")
+        self._finish(req, "error", error)
 
-    def _visible(self, req: _Request, delta: str, token: int) -> EngineOutput:
-        text = req.held_text + delta
-        stops = req.params.stop
-        if stops:
-            cut = -1
-            for st in stops:
-                i = text.find(st)
-                if i != -1 and (cut == -1 or i < cut):
-                    cut = i
-            if cut != -1:
-                req.stop_cut = True
-                req.held_text = ""
-                return EngineOutput(req.rid, text[:cut], [token])
-            hold = 0
-            for st in stops:
-                for k in range(min(len(st) - 1, len(text)), 0, -1):
-                    if text.endswith(st[:k]):
-                        hold = max(hold, k)
-                        break
-            req.held_text = text[len(text) - hold :] if hold else ""
-            return EngineOutput(req.rid, text[: len(text) - hold], [token])
-        req.held_text = ""
-        return EngineOutput(req.rid, text, [token])
-
-    def _accept_token(self, req: _Request, token: int) -> None:
+    def _accept_token(self, req: Request, token: int) -> None:
         now = time.perf_counter()
         if req.t_first_token is None:
             req.t_first_token = now
@@ -595,206 +422,70 @@ class Engine:
         s.tokens.append(token)
         if req.penalties is not None:
             req.penalties.push(token)
-        req.phase = _Phase.DECODE
+        req.phase = Phase.DECODE
         if token in req.stop_ids:
             self._outputs.append(EngineOutput(req.rid, "", [token]))
             self._finish(req, "stop")
             return
-        out = self._emit_text(req, token)
-        self._outputs.append(out)
+        self._outputs.append(output.emit_text(req, token))
         if req.stop_cut:
             self._finish(req, "stop")
         elif len(req.generated) >= req.max_new:
             self._finish(req, "length")
 
-    def _schedule(self) -> tuple[list[_Request], list[tuple[_Request, int]]]:
-        """Pick decode requests and prefill chunks for one forward pass."""
-        reqs = list(self._requests.values())
-        decoding = [r for r in reqs if r.phase is _Phase.DECODE]
-        prefilling = [r for r in reqs if r.phase is _Phase.PREFILL]
-        cap = self.config.max_decode_sequences
-        if len(decoding) > cap:
-            start = self._decode_cursor % len(decoding)
-            decoding = (decoding[start:] + decoding[:start])[:cap]
-            self._decode_cursor += cap
-        chunks: list[tuple[_Request, int]] = []
-        budget = self.config.prefill_chunk_tokens
-        if prefilling:
-            start = self._prefill_cursor % len(prefilling)
-            order = prefilling[start:] + prefilling[:start]
-            self._prefill_cursor += 1
-            for r in order:
-                if budget <= 0:
-                    break
-                n = min(len(r.prompt) - r.session.kv_len, budget)
-                chunks.append((r, n))
-                budget -= n
-        return decoding, chunks
+    # ----------------------------------------------------------------- stepping
 
     def step(self) -> list[EngineOutput]:
         """Run one batched forward pass (if there is work) and return the outputs it produced.
 
-        With a draft model the target's one forward is preceded by the draft's forwards (one per
-        drafted position), which propose the tokens the target verifies.
+        schedule -> propose (with a draft model: its forwards, one per drafted position) -> pack ->
+        execute the target's one forward -> update each request with its logits.
         """
-        decoding, chunks = self._schedule()
-        proposals: dict[int, _Proposal] = {}
-        if self.draft is not None and (decoding or chunks):
-            proposals = self._propose(decoding, chunks)
-            decoding = [r for r in decoding if not r.finished]
-            chunks = [(r, n) for r, n in chunks if not r.finished]
-        if decoding or chunks:
-            self._forward(decoding, chunks, proposals)
+        batch = self._scheduler.schedule(list(self._requests.values()))
+        proposals: dict[int, Proposal] = {}
+        if self.proposer is not None and batch:
+            proposals, failures = self.proposer.propose(batch.decoding, batch.chunks)
+            for r, exc in failures:
+                self._fail(r, exc)
+            batch.drop_finished()
+        if batch:
+            batch.pack({rid: p.tokens for rid, p in proposals.items()})
+            logits = self._execute(batch)
+            if logits is not None:
+                self._update(batch, logits, proposals)
         out, self._outputs = self._outputs, []
         return out
 
-    def _draft_budget(self, req: _Request) -> int:
-        """Tokens to draft for ``req`` this step: at most n_draft, and never past max_new_tokens
-        (the target's token after the drafts must still fit), so drafted positions stay inside the
-        session's max_session_tokens. A penalized request drafts nothing: its logits at each drafted
-        position would depend on the drafts before it, which one verification pass does not model."""
-        if req.params.penalized:
-            return 0
-        return max(0, min(self.n_draft, req.max_new - len(req.generated) - 1))
-
-    def _fail(self, req: _Request, exc: Exception) -> None:
-        """End one request whose own processing raised; the other requests of the step carry on."""
-        if req.finished:
-            return
-        message = str(exc) if isinstance(exc, SamplingError) else f"{type(exc).__name__}: {exc}"
-        self._finish(req, "error", InternalError(f"request {req.rid} failed: {message}"))
-
-    def _draft_forward(
-        self, reqs: list[_Request], tokens: list[int], positions: list[int], spans: list[SeqSpan], rows: list[int]
-    ) -> torch.Tensor | None:
-        """One draft forward; on failure end ``reqs`` with an error and return None."""
-        assert self.draft is not None
+    def _execute(self, batch: Batch) -> torch.Tensor | None:
+        """The target's forward; a failure ends the requests of this batch only."""
+        if self.on_forward is not None:
+            self.on_forward([r.session.sid for r in batch.requests])
         t0 = time.perf_counter()
         try:
-            return self.draft.forward(tokens, positions, spans, rows)
-        except Exception as exc:  # a failed forward ends the requests in this batch only
-            for r in reqs:
-                self._finish(r, "error", InternalError(f"draft forward pass failed: {type(exc).__name__}: {exc}"))
+            return self.executor.forward(batch.tokens, batch.positions, batch.spans, batch.sample_rows)
+        except Exception as exc:
+            for r in batch.requests:
+                self._finish(r, "error", InternalError(f"forward pass failed: {type(exc).__name__}: {exc}"))
             return None
         finally:
-            self.stats["draft_forward_calls"] += 1
-            self.stats["draft_forward_time_s"] += time.perf_counter() - t0
+            self._stats["forward_calls"] += 1
+            self._stats["forward_time_s"] += time.perf_counter() - t0
 
-    def _propose(self, decoding: list[_Request], chunks: list[tuple[_Request, int]]) -> dict[int, _Proposal]:
-        """Run the draft: feed pending tokens and prefill chunks, and draft tokens for decoding requests.
-
-        The first draft forward carries, per session, the pending tokens plus either the chunk the
-        target prefills this step or the last committed token (whose logits give the first draft
-        token); each later forward carries one drafted token per session still drafting.
-        """
-        budget = {r.rid: self._draft_budget(r) for r in decoding}
-        drafting = [r for r in decoding if budget[r.rid] > 0]
-        if not drafting and not chunks:
-            return {}
-        tokens: list[int] = []
-        positions: list[int] = []
-        spans: list[SeqSpan] = []
-        rows: list[int] = []
-        for r in drafting:
-            s = r.session
-            end = len(s.tokens)  # through the last committed token, which the target has no KV of yet
-            spans.append(SeqSpan(s.slot, s.draft_len, end - s.draft_len, len(tokens)))
-            tokens.extend(s.tokens[s.draft_len : end])
-            positions.extend(range(s.draft_len, end))
-            rows.append(len(tokens) - 1)
-        for r, n in chunks:
-            s = r.session
-            end = s.kv_len + n  # the target's rows after this step's chunk
-            spans.append(SeqSpan(s.slot, s.draft_len, end - s.draft_len, len(tokens)))
-            tokens.extend(s.tokens[s.draft_len : end])
-            positions.extend(range(s.draft_len, end))
-        logits = self._draft_forward(drafting + [r for r, _ in chunks], tokens, positions, spans, rows)
-        if logits is None:
-            return {}
-        # The chunk sessions' draft rows now reach kv_len + n; _forward sets draft_len with kv_len.
-        proposals: dict[int, _Proposal] = {r.rid: _Proposal([], []) for r in drafting}
-        active = drafting
-        for j in range(self.n_draft):
-            for r, row in zip(active, logits):
-                try:
-                    token, q = sample_draft(row, r.params, r.generator)
-                except Exception as exc:  # the draft's logits hold no distribution: end this request alone
-                    self._fail(r, exc)
-                    proposals.pop(r.rid, None)
-                    continue
-                proposals[r.rid].tokens.append(token)
-                if q is not None:
-                    proposals[r.rid].probs.append(q)
-            active = [r for r in active if budget[r.rid] > j + 1 and not r.finished]
-            if not active:
-                break
-            # Feed each session's newest draft token to get the distribution for the next one.
-            tokens, positions, spans = [], [], []
-            for r in active:
-                s = r.session
-                pos = len(s.tokens) + j
-                spans.append(SeqSpan(s.slot, pos, 1, len(tokens)))
-                tokens.append(proposals[r.rid].tokens[-1])
-                positions.append(pos)
-            logits = self._draft_forward(active, tokens, positions, spans, list(range(len(active))))
-            if logits is None:  # those requests ended; the others keep what they drafted
-                return {rid: p for rid, p in proposals.items() if rid in self._requests}
-        return proposals
-
-    def _forward(
-        self, decoding: list[_Request], chunks: list[tuple[_Request, int]], proposals: dict[int, _Proposal]
-    ) -> None:
-        tokens: list[int] = []
-        positions: list[int] = []
-        spans: list[SeqSpan] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[_Request] = []
-        for r in decoding:
-            # The last committed token, then the draft's tokens: logits for every row.
-            s = r.session
-            pos = s.kv_len
-            drafted = proposals[r.rid].tokens if r.rid in proposals else []
-            span = [s.tokens[pos]] + drafted
-            spans.append(SeqSpan(s.slot, pos, len(span), len(tokens)))
-            sample_rows.extend(range(len(tokens), len(tokens) + len(span)))
-            sample_reqs.append(r)
-            tokens.extend(span)
-            positions.extend(range(pos, pos + len(span)))
-        for r, n in chunks:
-            s = r.session
-            pos = s.kv_len
-            spans.append(SeqSpan(s.slot, pos, n, len(tokens)))
-            tokens.extend(r.prompt[pos : pos + n])
-            positions.extend(range(pos, pos + n))
-            if pos + n == len(r.prompt):
-                sample_rows.append(len(tokens) - 1)
-                sample_reqs.append(r)
-        batch_reqs = decoding + [r for r, _ in chunks]
-        if self.on_forward is not None:
-            self.on_forward([r.session.sid for r in batch_reqs])
-        t0 = time.perf_counter()
-        try:
-            logits = self.executor.forward(tokens, positions, spans, sample_rows)
-        except Exception as exc:  # a failed forward ends the requests in this batch only
-            for r in batch_reqs:
-                self._finish(r, "error", InternalError(f"forward pass failed: {type(exc).__name__}: {exc}"))
-            return
-        finally:
-            self.stats["forward_calls"] += 1
-            self.stats["forward_time_s"] += time.perf_counter() - t0
-        for r, n in chunks:
+    def _update(self, batch: Batch, logits: torch.Tensor, proposals: dict[int, Proposal]) -> None:
+        """Advance lengths by what the forward wrote, then sample each request's tokens."""
+        for r, n in batch.chunks:
             r.session.kv_len += n
-            if self.draft is not None:
-                r.session.draft_len = r.session.kv_len  # _propose fed the draft the same chunk
+            if self.proposer is not None:
+                r.session.draft_len = r.session.kv_len  # propose() fed the draft the same chunk
             if r.fresh and r.session.kv_len == len(r.prompt):
                 self.prefix_cache.insert(r.session.slot, r.prompt, r.session.kv_floor)
         row = 0
-        for r in sample_reqs:
-            decoding_now = r.phase is _Phase.DECODE
-            proposal = proposals.get(r.rid) if decoding_now else None
-            n = (len(proposal.tokens) if proposal is not None else 0) + 1 if decoding_now else 1
+        for r in batch.sampled:
+            decoding = r.phase is Phase.DECODE
+            proposal = proposals.get(r.rid) if decoding else None
+            n = (len(proposal.tokens) if proposal is not None else 0) + 1 if decoding else 1
             try:
-                if decoding_now:
+                if decoding:
                     self._commit_decoded(r, logits[row : row + n], proposal)
                 elif not r.finished:
                     self._accept_token(r, sample(logits[row], r.params, r.generator, r.penalties))
@@ -802,7 +493,7 @@ class Engine:
                 self._fail(r, exc)
             row += n
 
-    def _commit_decoded(self, r: _Request, logits: torch.Tensor, proposal: _Proposal | None) -> None:
+    def _commit_decoded(self, r: Request, logits: torch.Tensor, proposal: Proposal | None) -> None:
         """Commit what the target's logits [1 + k, V] over (last token, k drafted tokens) decide."""
         if r.finished:
             return
@@ -829,16 +520,17 @@ class Engine:
         # 1..k-1; those it shares with the committed history stay.
         s.kv_len = len(s.tokens) - 1
         s.draft_len = min(n + min(committed_drafts, k - 1), s.kv_len)
+
     # ----------------------------------------------------------------- checkpoints
 
     def executor_format(self) -> dict[str, Any]:
         return {"backend": self.executor.backend, "dtype": self.executor.dtype_name, "layout_version": LAYOUT_VERSION}
 
     def geometry(self) -> dict[str, Any]:
-        return _geometry(self.executor)
+        return geometry(self.executor)
 
     def draft_geometry(self) -> dict[str, Any] | None:
-        return None if self.draft is None else _geometry(self.draft)
+        return None if self.proposer is None else self.proposer.geometry
 
     def export_checkpoint(self, sid: str, position: int | None = None) -> CPUCheckpoint:
         """An independent host copy of a session's committed state at ``position``.
@@ -868,28 +560,8 @@ class Engine:
             position=position,
             token_ids=np.asarray(s.tokens[:position], dtype=np.int32),
             layers=layers,
-            draft=None if self.draft is None else self._export_draft(s, position),
+            draft=None if self.proposer is None else self.proposer.export_state(s, position),
         )
-
-    def _export_draft(self, s: _Session, position: int) -> dict[str, Any]:
-        """The draft's state at ``position``: its rows up to where it is (at most ``position``) and the
-        committed tokens after that which it has not been fed (``pending_token_ids``)."""
-        assert self.draft is not None
-        at = min(s.draft_len, position)
-        if at and not self.draft.cache.can_truncate(s.draft_len, at, s.draft_floor):
-            at = 0  # its rings no longer hold what ``at`` needs: the draft restarts from the beginning
-        if at:
-            layers = self.draft.export_layers(s.slot, s.draft_len, at, s.draft_floor)
-        else:
-            geo = self.draft_geometry()
-            assert geo is not None
-            empty = np.zeros((0, geo["num_kv_heads"], geo["head_dim"]), numpy_storage_dtype(self.draft.dtype_name))
-            layers = [LayerState(0, empty, empty.copy()) for _ in range(geo["num_layers"])]
-        return {
-            "geometry": self.draft_geometry(),
-            "layers": layers,
-            "pending_token_ids": np.asarray(s.tokens[at:position], dtype=np.int32),
-        }
 
     def restore_checkpoint(self, sid: str, checkpoint: CPUCheckpoint, position: int | None = None) -> None:
         """Publish a new session ``sid`` continuing from ``position`` of ``checkpoint``.
@@ -914,7 +586,15 @@ class Engine:
             raise CheckpointRejected(
                 f"checkpoint geometry {checkpoint.geometry} does not match the model's {self.geometry()}"
             )
-        draft_position = self._check_draft_state(checkpoint)
+        if self.proposer is None:
+            if checkpoint.draft is not None:
+                raise CheckpointRejected(
+                    "the checkpoint carries draft-model state but this worker runs no draft model; "
+                    "restore it into a worker started with the same --draft"
+                )
+            draft_position = 0
+        else:
+            draft_position = self.proposer.check_state(checkpoint)
         checkpoint.validate_restore_position(position)
         if position >= self.config.max_session_tokens:
             raise ContextOverflow(
@@ -925,55 +605,22 @@ class Engine:
             raise CheckpointRejected(f"checkpoint token ids exceed the vocabulary ({self.vocab_size})")
         draft_len = min(position, draft_position)
         _check_finite("layer", checkpoint.layers, self.executor.dtype_name)
-        if self.draft is not None and draft_len:
+        draft = self.draft
+        if draft is not None and draft_len:
             assert checkpoint.draft is not None
-            _check_finite("draft layer", checkpoint.draft["layers"], self.draft.dtype_name)
+            _check_finite("draft layer", checkpoint.draft["layers"], draft.dtype_name)
         if not self._free_slots:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
         slot = self._free_slots[-1]
         floor = self.executor.import_layers(slot, position, checkpoint.layers)
         draft_floor = 0
-        if self.draft is not None and draft_len:
+        if draft is not None and draft_len:
             assert checkpoint.draft is not None
-            draft_floor = self.draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
+            draft_floor = draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
         self._free_slots.pop()
-        self._sessions[sid] = _Session(
+        self._sessions[sid] = Session(
             sid, slot, ids.tolist(), position, None, None, draft_len, kv_floor=floor, draft_floor=draft_floor
         )
-
-    def _check_draft_state(self, checkpoint: CPUCheckpoint) -> int:
-        """Check the checkpoint's draft state against this engine; return the draft's position (0 without one)."""
-        if self.draft is None:
-            if checkpoint.draft is not None:
-                raise CheckpointRejected(
-                    "the checkpoint carries draft-model state but this worker runs no draft model; "
-                    "restore it into a worker started with the same --draft"
-                )
-            return 0
-        if checkpoint.draft is None:
-            raise CheckpointRejected(
-                "this worker runs a draft model but the checkpoint has no draft state (it was made without one); "
-                "restore it into a worker without --draft"
-            )
-        d = checkpoint.draft
-        if d["geometry"] != self.draft_geometry():
-            raise CheckpointRejected(
-                f"checkpoint draft geometry {d['geometry']} does not match the draft model's {self.draft_geometry()}"
-            )
-        extra = sorted(set(d) - {"geometry", "layers", "pending_token_ids"})
-        if extra:
-            raise CheckpointRejected(f"checkpoint draft state has fields this worker does not know: {extra}")
-        pending = d.get("pending_token_ids")
-        if pending is None or pending.dtype != np.int32 or pending.ndim != 1:
-            raise CheckpointRejected("checkpoint draft state lacks pending_token_ids (int32 [n])")
-        at = checkpoint.draft_position
-        assert at is not None
-        if at + pending.shape[0] != checkpoint.position or not np.array_equal(pending, checkpoint.token_ids[at:]):
-            raise CheckpointRejected(
-                f"checkpoint pending_token_ids ({pending.shape[0]} tokens) are not the committed tokens "
-                f"[{at}, {checkpoint.position}) after the draft's rows"
-            )
-        return at
 
     # ----------------------------------------------------------------- shutdown
 
@@ -985,4 +632,3 @@ class Engine:
                 self._finish(req, "cancelled")
         out, self._outputs = self._outputs, []
         return out
-

@@ -1,0 +1,100 @@
+"""Session and request state, and what the engine hands back (``EngineOutput``).
+
+Owner: the engine thread (see core.py). A session's lengths are the one truth every cache question
+is asked against: ``kv_len`` rows of its slot hold KV of ``tokens[:kv_len]``, ring layers from
+``kv_floor`` on.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from muxworker.transport.errors import MuxError
+
+if TYPE_CHECKING:
+    import torch
+
+    from muxworker.worker.engine.sampling import Penalties, SamplingParams
+
+__all__ = ["Readiness", "EngineOutput", "Phase", "Session", "Request", "common_prefix"]
+
+
+class Readiness(enum.Enum):
+    """The engine's initialization state (the seed's Pending / Ready / Failed)."""
+
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class EngineOutput:
+    """A text delta for one request; the last one for a request carries ``result``."""
+
+    request_id: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    error: MuxError | None = None  # set when finish_reason is "error"
+
+
+class Phase(enum.Enum):
+    PREFILL = 1
+    DECODE = 2
+
+
+@dataclass
+class Session:
+    sid: str
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    request: Request | None = None
+    unsaveable: str | None = "empty"  # why it cannot be exported now, None when it can
+    # Rows [0, draft_len) of the draft's cache slot hold the draft's KV of tokens[:draft_len];
+    # always <= kv_len (0 without a draft). tokens[draft_len:kv_len] are pending for the draft.
+    draft_len: int = 0
+    # The first position the slot's ring layers really hold when it was filled by a restore (or
+    # from a prefix-cache entry that was); 0 when every row was computed here (core.py).
+    kv_floor: int = 0
+    draft_floor: int = 0
+
+    def forget(self) -> None:
+        """Empty the history: nothing of the slot is reused any more."""
+        self.tokens = []
+        self.kv_len = self.kv_floor = self.draft_len = self.draft_floor = 0
+
+
+@dataclass
+class Request:
+    rid: int
+    session: Session
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    detok: Any
+    reused: int
+    phase: Phase = Phase.PREFILL
+    generated: list[int] = field(default_factory=list)
+    held_text: str = ""  # decoded text withheld because it may start a stop string
+    stop_cut: bool = False  # a stop string ended the output
+    t_submit: float = 0.0
+    t_first_token: float | None = None
+    finished: bool = False
+    fresh: bool = False  # the session had no history: its prefilled prompt may seed the prefix cache
+    draft_proposed: int = 0  # tokens the draft proposed for this request
+    draft_accepted: int = 0  # of those, tokens the target accepted and the session committed
+    penalties: Penalties | None = None  # only when a penalty is on
+    text_ends: list[int] = field(default_factory=list)  # output text length after each generated token
+    emitted: int = 0  # characters of output text sent so far
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
