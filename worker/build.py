@@ -20,8 +20,8 @@ from muxworker.worker.engine import Engine, EngineConfig
 from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.loader import ModelFiles, load_model_dir, resolve_model
 from muxworker.worker.models.tokenizer import Tokenizer
+from muxworker.worker.options import DTYPE_NAMES
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class BackendUnavailableError(ValueError):

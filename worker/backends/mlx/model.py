@@ -22,7 +22,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from muxworker.worker.models.args import ModelArgs, rope_inv_freq
-from muxworker.worker.models.loader import InvalidModelError
 from muxworker.worker.backends.mlx.cache import KVCache
 from muxworker.worker.backends.interface import SeqSpan
 

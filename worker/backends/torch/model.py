@@ -10,12 +10,11 @@ L keys attended, V vocabulary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from muxworker.worker.backends.interface import SeqSpan
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.models.args import ModelArgs, rope_inv_freq
 
