@@ -8,9 +8,11 @@ released. It is incremental: ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
 uint16 bits, as checkpoints store it, with ``bfloat16=True``) holds no NaN or infinity, at memory
 speed and with the GIL released.
 """
+
 from __future__ import annotations
 
-from ._crc32c import ffi as _ffi, lib as _lib
+from ._crc32c import ffi as _ffi
+from ._crc32c import lib as _lib
 
 __all__ = ["crc32c", "crc32c_software", "crc32c_implementation", "all_finite"]
 

@@ -1,4 +1,5 @@
 """cffi (API mode) build script for the native extension (CRC32C, finiteness checks), run by setuptools at install time."""
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ shared, noisy machine where absolute times drift:
 
     python scripts/bench.py [--quick] [--dtype bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,13 @@ def main() -> None:
     # 1. Resume vs cold (real worker processes).
     ns = argparse.Namespace(tokens=tokens, dtype=args.dtype, model=None)
     for r in trio.run(bench_checkpoint.run, ns):
-        _row(rows, f"time to first token, {r['tokens']}-token session: resumed vs cold",
-             f"{r['resume_ttft'] * 1e3:.0f} ms", f"{r['cold_ttft'] * 1e3:.0f} ms",
-             f"1/{r['cold_ttft'] / r['resume_ttft']:.0f}")
+        _row(
+            rows,
+            f"time to first token, {r['tokens']}-token session: resumed vs cold",
+            f"{r['resume_ttft'] * 1e3:.0f} ms",
+            f"{r['cold_ttft'] * 1e3:.0f} ms",
+            f"1/{r['cold_ttft'] / r['resume_ttft']:.0f}",
+        )
 
     # 2. 8 vs 1 session decode (in-process engine).
     engine = load_engine(None, EngineConfig(max_sessions=8, max_session_tokens=1024), dtype=args.dtype, progress=None)
@@ -60,28 +65,57 @@ def main() -> None:
     d1 = bench_engine.bench_decode(engine, 1, 32, 1000)
     d8 = bench_engine.bench_decode(engine, 8, 32, 8000)
     del engine
-    _row(rows, f"aggregate decode, 8 sessions vs 1 ({args.dtype})", f"{d8:.0f} tok/s", f"{d1:.0f} tok/s", f"{d8 / d1:.1f}x")
+    _row(
+        rows,
+        f"aggregate decode, 8 sessions vs 1 ({args.dtype})",
+        f"{d8:.0f} tok/s",
+        f"{d1:.0f} tok/s",
+        f"{d8 / d1:.1f}x",
+    )
 
     # 3. Transport vs raw pipe.
     it = 4 if args.quick else 8
-    best = bench_transport.best_of(3, {
-        "raw": (bench_transport.raw_throughput, it),
-        "fd": (bench_transport.frame_throughput, it, False),
-        "trio": (bench_transport.trio_frame_throughput, it),
-    })
+    best = bench_transport.best_of(
+        3,
+        {
+            "raw": (bench_transport.raw_throughput, it),
+            "fd": (bench_transport.frame_throughput, it, False),
+            "trio": (bench_transport.trio_frame_throughput, it),
+        },
+    )
     gb = 1e9
-    _row(rows, "64 MiB payloads through the framing (fd reader) vs raw os.write/os.readv", f"{best['fd'] / gb:.2f} GB/s",
-         f"{best['raw'] / gb:.2f} GB/s", f"{best['fd'] / best['raw']:.2f}x")
-    _row(rows, "64 MiB payloads through the framing (trio reader) vs raw", f"{best['trio'] / gb:.2f} GB/s",
-         f"{best['raw'] / gb:.2f} GB/s", f"{best['trio'] / best['raw']:.2f}x")
+    _row(
+        rows,
+        "64 MiB payloads through the framing (fd reader) vs raw os.write/os.readv",
+        f"{best['fd'] / gb:.2f} GB/s",
+        f"{best['raw'] / gb:.2f} GB/s",
+        f"{best['fd'] / best['raw']:.2f}x",
+    )
+    _row(
+        rows,
+        "64 MiB payloads through the framing (trio reader) vs raw",
+        f"{best['trio'] / gb:.2f} GB/s",
+        f"{best['raw'] / gb:.2f} GB/s",
+        f"{best['trio'] / best['raw']:.2f}x",
+    )
 
     # 4. Checkpoint file vs raw file I/O.
     with tempfile.TemporaryDirectory() as d:
         f = bench_checkpoint_file.bench(4096, 3 if args.quick else 5, d)
-    _row(rows, "checkpoint save (4,096 tokens, 180 MiB) vs raw write+fsync", f"{f['save'] * 1e3:.0f} ms",
-         f"{f['raw_write'] * 1e3:.0f} ms", f"{f['raw_write'] / f['save']:.2f}x")
-    _row(rows, "checkpoint load, all CRCs verified, vs raw read", f"{f['load'] * 1e3:.0f} ms",
-         f"{f['raw_read'] * 1e3:.0f} ms", f"{f['raw_read'] / f['load']:.2f}x")
+    _row(
+        rows,
+        "checkpoint save (4,096 tokens, 180 MiB) vs raw write+fsync",
+        f"{f['save'] * 1e3:.0f} ms",
+        f"{f['raw_write'] * 1e3:.0f} ms",
+        f"{f['raw_write'] / f['save']:.2f}x",
+    )
+    _row(
+        rows,
+        "checkpoint load, all CRCs verified, vs raw read",
+        f"{f['load'] * 1e3:.0f} ms",
+        f"{f['raw_read'] * 1e3:.0f} ms",
+        f"{f['raw_read'] / f['load']:.2f}x",
+    )
 
     # 5. crc32c vs zlib.
     data = np.random.default_rng(0).integers(0, 256, 256 << 20, dtype=np.uint8)

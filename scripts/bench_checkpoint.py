@@ -7,6 +7,7 @@ checkpoint file's throughput against raw file I/O of the same bytes (bench_check
 
     python scripts/bench_checkpoint.py [--tokens 512,4096,8000] [--dtype bfloat16] [--model PATH] [--backends torch,mlx]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,15 @@ async def run(args, backend: str = "torch") -> list[dict]:
                 await client.save_session(sid)
                 save_s = time.perf_counter() - t0
                 await client.close_session(sid)
-                rows.append({"backend": backend, "tokens": n, "save": save_s, "file": store.path_for(sid).stat().st_size,
-                             "history": base[:n] + list(first.generated_token_ids)})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "tokens": n,
+                        "save": save_s,
+                        "file": store.path_for(sid).stat().st_size,
+                        "history": base[:n] + list(first.generated_token_ids),
+                    }
+                )
         # A fresh worker: resume vs cold on the same process, alternating order.
         store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
         async with spawn_multiplexed_worker(command, session_store=store) as client:
@@ -103,20 +111,26 @@ def main() -> None:
     rows = [r for backend in backends for r in trio.run(run, args, backend)]
     mib = 2**20
     print(f"SmolLM2-135M, {args.dtype}, CPU; resume = resume_session + first token of a {SUFFIX}-token suffix\n")
-    print("| backend | tokens | cold TTFT ms | resumed TTFT ms | resumed / cold | prefilled cold / resumed | save ms | file MiB |")
+    print(
+        "| backend | tokens | cold TTFT ms | resumed TTFT ms | resumed / cold | prefilled cold / resumed | save ms | file MiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['backend']} | {r['tokens']} | {r['cold_ttft'] * 1e3:.0f} | {r['resume_ttft'] * 1e3:.0f} | "
-              f"1/{r['cold_ttft'] / r['resume_ttft']:.0f} | {r['cold_prefilled']} / {r['resume_prefilled']} | "
-              f"{r['save'] * 1e3:.0f} | {r['file'] / mib:.1f} |")
+        print(
+            f"| {r['backend']} | {r['tokens']} | {r['cold_ttft'] * 1e3:.0f} | {r['resume_ttft'] * 1e3:.0f} | "
+            f"1/{r['cold_ttft'] / r['resume_ttft']:.0f} | {r['cold_prefilled']} / {r['resume_prefilled']} | "
+            f"{r['save'] * 1e3:.0f} | {r['file'] / mib:.1f} |"
+        )
     print("\nCheckpoint file vs raw file I/O of the same bytes (float32 SmolLM2 geometry, median):\n")
     print("| tokens | save ms | raw write+fsync ms | save ratio | load ms | raw read ms | load ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as d:
         for r in (r for r in rows if r["backend"] == backends[0]):  # file I/O does not depend on the backend
             f = file_bench(r["tokens"], args.repeat, d)
-            print(f"| {f['tokens']} | {f['save'] * 1e3:.1f} | {f['raw_write'] * 1e3:.1f} | {f['raw_write'] / f['save']:.2f} "
-                  f"| {f['load'] * 1e3:.1f} | {f['raw_read'] * 1e3:.1f} | {f['raw_read'] / f['load']:.2f} |")
+            print(
+                f"| {f['tokens']} | {f['save'] * 1e3:.1f} | {f['raw_write'] * 1e3:.1f} | {f['raw_write'] / f['save']:.2f} "
+                f"| {f['load'] * 1e3:.1f} | {f['raw_read'] * 1e3:.1f} | {f['raw_read'] / f['load']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

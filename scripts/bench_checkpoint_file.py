@@ -9,6 +9,7 @@ buffer. A ratio is raw time / checkpoint time (1.0 = as fast as raw; the target 
     python scripts/bench_checkpoint_file.py [--tokens 512,4096,8000] [--dtype float32|bfloat16]
                                             [--repeat 5] [--dir DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,7 @@ def smollm2_checkpoint(tokens: int, seed: int = 0, dtype: str = "float32") -> CP
 
     return CPUCheckpoint(
         format={"backend": "torch", "dtype": dtype, "layout_version": 1},
-        geometry={"num_layers": LAYERS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                  "windows": [None] * LAYERS},
+        geometry={"num_layers": LAYERS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "windows": [None] * LAYERS},
         position=tokens,
         token_ids=rng.integers(0, 49_152, size=tokens, dtype=np.int32),
         layers=[LayerState(0, rows(), rows()) for _ in range(LAYERS)],
@@ -128,10 +128,14 @@ def main() -> None:
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows.append(bench(tokens, args.repeat, directory, args.dtype))
     mib = 2**20
-    print(f"SmolLM2-135M geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} head_dim, {args.dtype}), "
-          f"median of {args.repeat}; ratio = raw time / checkpoint time (target >= 0.5)\n")
-    print("| tokens | payload MiB | file MiB | save ms | raw write+fsync ms | save ratio "
-          "| load ms | raw read ms | load ratio | save MiB/s | load MiB/s |")
+    print(
+        f"SmolLM2-135M geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} head_dim, {args.dtype}), "
+        f"median of {args.repeat}; ratio = raw time / checkpoint time (target >= 0.5)\n"
+    )
+    print(
+        "| tokens | payload MiB | file MiB | save ms | raw write+fsync ms | save ratio "
+        "| load ms | raw read ms | load ratio | save MiB/s | load MiB/s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(

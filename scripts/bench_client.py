@@ -8,6 +8,7 @@ the framing and the client), and aggregate tokens/s as the client sees it next t
     python scripts/bench_client.py                 # a tiny random model: isolates the overhead
     python scripts/bench_client.py --model bundled # the bundled SmolLM2-135M-Instruct
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ def _tiny_model(directory: Path) -> Path:
     return write_tiny_model(directory / "tiny-llama", "llama")
 
 
-async def _run(command: list[str], env: dict[str, str], streams: int, new_tokens: int, prompt_tokens: int) -> dict[str, float]:
+async def _run(
+    command: list[str], env: dict[str, str], streams: int, new_tokens: int, prompt_tokens: int
+) -> dict[str, float]:
     async with spawn_multiplexed_worker(command, env=env) as client:
         vocab = client.info.model.vocab_size
         sids = [f"s{i}" for i in range(streams)]
@@ -86,9 +89,13 @@ def _greedy(sid: str, n: int) -> GenerationParams:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory or .gguf; 'bundled' for SmolLM2 (default: a tiny random model)")
+    parser.add_argument(
+        "--model", default=None, help="model directory or .gguf; 'bundled' for SmolLM2 (default: a tiny random model)"
+    )
     parser.add_argument("--streams", default="1,8,32", help="concurrency levels (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=200, help="tokens generated per stream (default: %(default)s)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=200, help="tokens generated per stream (default: %(default)s)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per stream (default: %(default)s)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
@@ -122,11 +129,15 @@ async def main() -> None:
         rows = []
         for n in levels:
             rows.append(await _run(command, env, n, args.new_tokens, args.prompt_tokens))
-    print(f"Model: {label}; device {args.device}; OMP_NUM_THREADS={threads or 'unset'}; {args.new_tokens} greedy "
-          "tokens per stream; one worker per row; medians over every token. Every stream decodes in every "
-          "step, so a step yields one token per stream: overhead per token = (latency - step) / streams.\n")
-    print("| streams | client inter-token latency (ms) | engine step (ms) | latency - step (ms) "
-          "| overhead per token (ms) | client tokens/s | engine-only tokens/s | client / engine |")
+    print(
+        f"Model: {label}; device {args.device}; OMP_NUM_THREADS={threads or 'unset'}; {args.new_tokens} greedy "
+        "tokens per stream; one worker per row; medians over every token. Every stream decodes in every "
+        "step, so a step yields one token per stream: overhead per token = (latency - step) / streams.\n"
+    )
+    print(
+        "| streams | client inter-token latency (ms) | engine step (ms) | latency - step (ms) "
+        "| overhead per token (ms) | client tokens/s | engine-only tokens/s | client / engine |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(

@@ -5,6 +5,7 @@ sessions, for each dtype. Ratios against the single-session figure are printed i
 
     python scripts/bench_engine.py [--model PATH] [--device cpu] [--dtypes float32,bfloat16] [--backends torch,mlx]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,7 +75,12 @@ def main() -> None:
     for backend, dtype in [(b, d) for b in args.backends.split(",") for d in args.dtypes.split(",")]:
         engine = load_engine(
             args.model,
-            EngineConfig(max_sessions=8, max_session_tokens=4096 + 64, max_decode_sequences=8, prefill_chunk_tokens=args.prefill_chunk_tokens),
+            EngineConfig(
+                max_sessions=8,
+                max_session_tokens=4096 + 64,
+                max_decode_sequences=8,
+                prefill_chunk_tokens=args.prefill_chunk_tokens,
+            ),
             device=args.device,
             dtype=dtype,
             backend=backend,
@@ -91,7 +97,9 @@ def main() -> None:
 
         versions += f", mlx {mx.__version__}"
     print(f"{versions}, device {args.device}, threads {torch.get_num_threads()}\n")
-    print("| backend | dtype | prefill 512 tok/s | prefill 4096 tok/s | decode x1 tok/s | decode x4 tok/s | decode x8 tok/s | x8 / x1 |")
+    print(
+        "| backend | dtype | prefill 512 tok/s | prefill 4096 tok/s | decode x1 tok/s | decode x4 tok/s | decode x8 tok/s | x8 / x1 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for backend, dtype, p512, p4096, d1, d4, d8 in rows:
         print(f"| {backend} | {dtype} | {p512:.0f} | {p4096:.0f} | {d1:.1f} | {d4:.1f} | {d8:.1f} | {d8 / d1:.2f} |")

@@ -5,6 +5,7 @@ side by side. Each session's prompt is the shared system prompt plus its own sho
 
     python scripts/bench_prefix_cache.py [--sessions 8] [--system_tokens 1000] [--dtype bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,19 +60,27 @@ def main() -> None:
     }
     tok = engines[0].tokenizer
     system = (tok.encode(TEXT) * (args.system_tokens // 20 + 1))[: args.system_tokens]
-    prompts = [system + tok.encode(f"User {i}: please review pull request number {100 + i}.") for i in range(args.sessions)]
+    prompts = [
+        system + tok.encode(f"User {i}: please review pull request number {100 + i}.") for i in range(args.sessions)
+    ]
     for e in engines.values():  # warm-up; its prompt shares no prefix with the measured ones
         ttfts(e, [tok.encode("warm up the kernels") * 4])
     off, off_pref = ttfts(engines[0], prompts)
     on, on_pref = ttfts(engines[4], prompts)
-    print(f"SmolLM2-135M, {args.dtype}, CPU; {args.sessions} new sessions, {args.system_tokens}-token shared system prompt\n")
+    print(
+        f"SmolLM2-135M, {args.dtype}, CPU; {args.sessions} new sessions, {args.system_tokens}-token shared system prompt\n"
+    )
     print("| | cache off | cache on (4 entries) | on / off |")
     print("|---|---:|---:|---:|")
     print(f"| first session TTFT | {off[0] * 1e3:.0f} ms | {on[0] * 1e3:.0f} ms | {on[0] / off[0]:.2f} |")
     m_off, m_on = statistics.median(off[1:]), statistics.median(on[1:])
     print(f"| later sessions, median TTFT | {m_off * 1e3:.0f} ms | {m_on * 1e3:.0f} ms | {m_on / m_off:.2f} |")
-    print(f"| later sessions, tokens prefilled each | {statistics.median(off_pref[1:]):.0f} | {statistics.median(on_pref[1:]):.0f} | |")
-    print(f"| all {args.sessions} sessions, total TTFT | {sum(off) * 1e3:.0f} ms | {sum(on) * 1e3:.0f} ms | {sum(on) / sum(off):.2f} |")
+    print(
+        f"| later sessions, tokens prefilled each | {statistics.median(off_pref[1:]):.0f} | {statistics.median(on_pref[1:]):.0f} | |"
+    )
+    print(
+        f"| all {args.sessions} sessions, total TTFT | {sum(off) * 1e3:.0f} ms | {sum(on) * 1e3:.0f} ms | {sum(on) / sum(off):.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ no-draft run (they must: greedy speculative decoding is exact).
 Engines run round-robin and the median round is reported, so a change in machine load mid-run
 does not favour one configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from make_draft import make_draft
+
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.models.loader import resolve_model
 from muxworker.worker.engine.sampling import SamplingParams
+from muxworker.worker.models.loader import resolve_model
 
 CHATS = [
     "What is the capital of France? Answer in two sentences.",
@@ -100,8 +101,10 @@ def main() -> None:
                 rate = _median([r["tokens"] / r["time"] for r in rs])
                 rows.append((dtype, name, rate, rate / base, rs[0], runs["none"][0]))
             del engines
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, target {Path(model).name}, "
-          f"{len(CHATS)} prompts x {args.tokens} greedy tokens, one session, median of {args.repeats} rounds\n")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, target {Path(model).name}, "
+        f"{len(CHATS)} prompts x {args.tokens} greedy tokens, one session, median of {args.repeats} rounds\n"
+    )
     print("| dtype | draft | decode tok/s | vs no draft | acceptance | tokens / target forward | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for dtype, name, rate, ratio, r, base in rows:

@@ -12,6 +12,7 @@
 Every figure is the best of a few repetitions, so a busy machine costs less; still, run it on
 an otherwise quiet machine before trusting the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,12 @@ import trio
 
 from muxworker.native import crc32c, crc32c_implementation, crc32c_software
 from muxworker.transport import (
+    PIPE_SIZE,
     FdFrameReader,
     FdFrameWriter,
     Frame,
     TrioFrameReader,
     TrioFrameWriter,
-    PIPE_SIZE,
     WorkerPipes,
     make_pipe,
 )
@@ -292,23 +293,60 @@ def main() -> None:
     zl = checksum_rate(zlib.crc32, data, repeats + 2)
 
     rows = [
-        ("64 MiB payloads, fd reader (fresh buffer per frame)", f"{framed / gbs:.2f} GB/s",
-         "raw os.write/os.readv", f"{raw / gbs:.2f} GB/s", framed / raw),
-        ("64 MiB payloads, fd reader (allocate= reused buffer)", f"{pooled / gbs:.2f} GB/s",
-         "raw os.write/os.readv", f"{raw / gbs:.2f} GB/s", pooled / raw),
-        ("64 MiB payloads, trio reader (FdStream)", f"{trio_framed / gbs:.2f} GB/s",
-         "raw os.write/os.readv", f"{raw / gbs:.2f} GB/s", trio_framed / raw),
-        ("100-byte control frame ping-pong, fd end", f"{frame_rt:,.0f} round trips/s",
-         "raw 116-byte ping-pong", f"{raw_rt:,.0f} round trips/s", frame_rt / raw_rt),
-        ("100-byte control frame ping-pong, trio end -> fd end", f"{trio_rt:,.0f} round trips/s",
-         "raw 116-byte ping-pong", f"{raw_rt:,.0f} round trips/s", trio_rt / raw_rt),
-        (f"crc32c ({crc32c_implementation()}), 256 MiB", f"{hw / gbs:.2f} GB/s",
-         "zlib.crc32", f"{zl / gbs:.2f} GB/s", hw / zl),
-        ("crc32c_software (slicing-by-8), 256 MiB", f"{sw / gbs:.2f} GB/s",
-         "zlib.crc32", f"{zl / gbs:.2f} GB/s", sw / zl),
+        (
+            "64 MiB payloads, fd reader (fresh buffer per frame)",
+            f"{framed / gbs:.2f} GB/s",
+            "raw os.write/os.readv",
+            f"{raw / gbs:.2f} GB/s",
+            framed / raw,
+        ),
+        (
+            "64 MiB payloads, fd reader (allocate= reused buffer)",
+            f"{pooled / gbs:.2f} GB/s",
+            "raw os.write/os.readv",
+            f"{raw / gbs:.2f} GB/s",
+            pooled / raw,
+        ),
+        (
+            "64 MiB payloads, trio reader (FdStream)",
+            f"{trio_framed / gbs:.2f} GB/s",
+            "raw os.write/os.readv",
+            f"{raw / gbs:.2f} GB/s",
+            trio_framed / raw,
+        ),
+        (
+            "100-byte control frame ping-pong, fd end",
+            f"{frame_rt:,.0f} round trips/s",
+            "raw 116-byte ping-pong",
+            f"{raw_rt:,.0f} round trips/s",
+            frame_rt / raw_rt,
+        ),
+        (
+            "100-byte control frame ping-pong, trio end -> fd end",
+            f"{trio_rt:,.0f} round trips/s",
+            "raw 116-byte ping-pong",
+            f"{raw_rt:,.0f} round trips/s",
+            trio_rt / raw_rt,
+        ),
+        (
+            f"crc32c ({crc32c_implementation()}), 256 MiB",
+            f"{hw / gbs:.2f} GB/s",
+            "zlib.crc32",
+            f"{zl / gbs:.2f} GB/s",
+            hw / zl,
+        ),
+        (
+            "crc32c_software (slicing-by-8), 256 MiB",
+            f"{sw / gbs:.2f} GB/s",
+            "zlib.crc32",
+            f"{zl / gbs:.2f} GB/s",
+            sw / zl,
+        ),
     ]
-    print(f"pipes: {PIPE_SIZE // 1024} KiB (make_pipe); {iterations} x 64 MiB per throughput run; "
-          f"{rounds} round trips per rate run; best of {repeats}; {os.cpu_count()} CPUs\n")
+    print(
+        f"pipes: {PIPE_SIZE // 1024} KiB (make_pipe); {iterations} x 64 MiB per throughput run; "
+        f"{rounds} round trips per rate run; best of {repeats}; {os.cpu_count()} CPUs\n"
+    )
     print("| benchmark | muxworker | baseline | baseline figure | ratio |")
     print("|---|---:|---|---:|---:|")
     for name, value, base_name, base_value, ratio in rows:

@@ -7,6 +7,7 @@ resumed one, measured in the same run.
 
     python scripts/demo.py [--model PATH] [--store DIR] [--dtype float32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,10 @@ async def demo(args: argparse.Namespace) -> None:
         save_s = time.perf_counter() - ts
     file = store.path_for(SESSION)
     saved_tokens = len(conv.history_ids)
-    print(f"\n2. Saved {saved_tokens} tokens to {file.name} ({file.stat().st_size / 2**20:.1f} MiB) in {save_s * 1000:.0f} ms;"
-          " the worker was stopped.\n")
+    print(
+        f"\n2. Saved {saved_tokens} tokens to {file.name} ({file.stat().st_size / 2**20:.1f} MiB) in {save_s * 1000:.0f} ms;"
+        " the worker was stopped.\n"
+    )
 
     print("3. A new worker starts, with the store recreated from the same model files and settings.")
     store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
@@ -82,8 +85,12 @@ async def demo(args: argparse.Namespace) -> None:
     print("\n4. The last turn, resumed vs cold (measured side by side in this run):\n")
     print("| | resumed session | cold session |")
     print("|---|---|---|")
-    print(f"| time to first token | {(resume_s + turn.first_token_s) * 1000:.0f} ms (incl. {resume_s * 1000:.0f} ms resume) | {cold_turn.first_token_s * 1000:.0f} ms |")
-    print(f"| prompt tokens prefilled | {r.prefilled_prompt_tokens} of {r.prompt_tokens} | {c.prefilled_prompt_tokens} of {c.prompt_tokens} |")
+    print(
+        f"| time to first token | {(resume_s + turn.first_token_s) * 1000:.0f} ms (incl. {resume_s * 1000:.0f} ms resume) | {cold_turn.first_token_s * 1000:.0f} ms |"
+    )
+    print(
+        f"| prompt tokens prefilled | {r.prefilled_prompt_tokens} of {r.prompt_tokens} | {c.prefilled_prompt_tokens} of {c.prompt_tokens} |"
+    )
     print(f"| checkpoint file | {file.stat().st_size / 2**20:.1f} MiB, saved in {save_s * 1000:.0f} ms | - |")
     print(f"| same reply tokens | {'yes' if same else 'NO'} | |")
     if not args.store:

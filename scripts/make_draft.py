@@ -11,6 +11,7 @@ The draft's hidden state after K layers goes straight through the final norm and
 the model was never trained for; how often the target agrees with it is measured by
 scripts/bench_speculative.py.
 """
+
 from __future__ import annotations
 
 import argparse

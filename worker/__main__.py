@@ -1,4 +1,5 @@
 """``python -m muxworker.worker``: the worker process (see server.py and ``--help``)."""
+
 from __future__ import annotations
 
 import os

@@ -4,13 +4,15 @@ A backend (torch or MLX) is chosen through the explicit ``BACKENDS`` table. Each
 modules only when selected, so the torch path never imports mlx and a missing mlx package is a
 clear :class:`BackendUnavailableError`, not an ImportError from deep inside.
 """
+
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -21,7 +23,6 @@ from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.loader import ModelFiles, load_model_dir, resolve_model
 from muxworker.worker.models.tokenizer import Tokenizer
 from muxworker.worker.options import DTYPE_NAMES
-
 
 
 class BackendUnavailableError(ValueError):
@@ -153,7 +154,11 @@ def load_engine(
         _check_fits(args, config, device, dtype, what, planned)
 
     loaded = load_model(
-        path, device=device, dtype=dtype, progress=progress, backend=backend,
+        path,
+        device=device,
+        dtype=dtype,
+        progress=progress,
+        backend=backend,
         check=lambda a, d, t: check(a, d, t, "model"),
     )
     be = get_backend(loaded.backend)
@@ -162,7 +167,11 @@ def load_engine(
     draft_executor, draft_name = None, ""
     if draft is not None:
         drafted = load_model(
-            draft, device=device, dtype=dtype, progress=progress, backend=backend,
+            draft,
+            device=device,
+            dtype=dtype,
+            progress=progress,
+            backend=backend,
             check=lambda a, d, t: check(a, d, t, "draft model"),
         )
         _check_same_tokenizer(loaded, drafted)
@@ -185,8 +194,8 @@ _MEMORY_HEADROOM = 0.9  # of what is available: the process and the allocator ne
 
 def weight_nbytes(args: ModelArgs, itemsize: int) -> int:
     """The weights of a Llama-family model of ``args`` at ``itemsize`` bytes per parameter."""
-    h, d = args.hidden_size, int(args.head_dim)  # type: ignore[arg-type]
-    q, kv = args.num_attention_heads * d, int(args.num_key_value_heads) * d  # type: ignore[arg-type]
+    h, d = args.hidden_size, args.head_size
+    q, kv = args.num_attention_heads * d, args.num_kv_heads * d
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size + 2 * h
     embed = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
     return (args.num_hidden_layers * per_layer + embed + h) * itemsize
@@ -224,8 +233,13 @@ def _check_fits(args: ModelArgs, config: EngineConfig, device: str, dtype: str, 
     itemsize = _ITEMSIZE[dtype]
     slots = config.max_sessions + config.prefix_cache_entries
     kv = planned_nbytes(
-        args.windows, slots, config.max_session_tokens, int(args.num_key_value_heads),  # type: ignore[arg-type]
-        int(args.head_dim), itemsize, config.n_draft,  # type: ignore[arg-type]
+        args.windows,
+        slots,
+        config.max_session_tokens,
+        args.num_kv_heads,
+        args.head_size,
+        itemsize,
+        config.n_draft,
     )
     planned.append(kv + weight_nbytes(args, itemsize))
     available = available_memory(device)

@@ -3,11 +3,12 @@
 ``python -m muxworker.worker --help`` prints them; the client's ``default_worker_command`` builds
 the command. Parsing imports no torch, so a usage error is reported at once.
 """
+
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from muxworker.transport.fdio import FDS_ENV
 from muxworker.worker.engine.config import EngineConfig
@@ -77,15 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="torch",
         help="inference backend: torch or mlx (default: %(default)s)",
     )
-    p.add_argument(
-        "--device", default="cpu", help="torch: cpu, cuda or cuda:N; mlx: cpu or gpu (default: %(default)s)"
-    )
+    p.add_argument("--device", default="cpu", help="torch: cpu, cuda or cuda:N; mlx: cpu or gpu (default: %(default)s)")
     p.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
         default=None,
-        help="weights, activations and KV cache dtype (default: float32 on cpu, bfloat16 on cuda; "
-        "float16 needs cuda)",
+        help="weights, activations and KV cache dtype (default: float32 on cpu, bfloat16 on cuda; float16 needs cuda)",
     )
     p.add_argument(
         "--max_sessions",
@@ -126,8 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="N",
         default=defaults.prefill_chunk_tokens,
-        help="prompt tokens prefilled per forward pass, so long prompts do not stall decoding "
-        "(default: %(default)s)",
+        help="prompt tokens prefilled per forward pass, so long prompts do not stall decoding (default: %(default)s)",
     )
     p.add_argument(
         "--prefix_cache_entries",

@@ -27,6 +27,7 @@ normal finish: only requests still queued, never seen by the engine, are answere
 ``info`` is answered), then an ``error`` frame (id 0) gives the reason. A model that fails to load
 sends an ``error`` frame (id 0) and exits :data:`EXIT_STARTUP`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,18 +39,25 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from muxworker.transport.checkpoint import checkpoint_from_wire, checkpoint_to_wire
-from muxworker.transport.errors import ContextOverflow, InternalError, InvalidArgument, MuxError, NotReady, ProtocolError
+from muxworker.transport.errors import (
+    ContextOverflow,
+    InternalError,
+    InvalidArgument,
+    MuxError,
+    NotReady,
+    ProtocolError,
+)
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter, worker_fds
-from muxworker.transport.framing import MiB, Frame, attach_payload, payload_array
+from muxworker.transport.framing import Frame, MiB, attach_payload, payload_array
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import error_control, hello_control, validate
-
 from muxworker.worker.models.args import ConfigError
 from muxworker.worker.options import UsageError, build_parser, parse_args
 
@@ -424,7 +432,9 @@ class WorkerServer:
         ids = payload_array(frame, control["tokens"])
         vocab = self._engine.vocab_size
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise InvalidArgument(f"token ids must lie in [0, {vocab}); got values in [{int(ids.min())}, {int(ids.max())}]")
+            raise InvalidArgument(
+                f"token ids must lie in [0, {vocab}); got values in [{int(ids.min())}, {int(ids.max())}]"
+            )
         self._write(Frame({"kind": "text", "id": rid, "text": self._engine.tokenizer.decode(ids.tolist())}))
 
     def _chat_template(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
@@ -506,7 +516,11 @@ class WorkerServer:
 
 def _tokens_frame(rid: int, ids: Sequence[int], *, text: str | None = None) -> Frame:
     payloads: list[Any] = []
-    control: dict[str, Any] = {"kind": "tokens", "id": rid, "tokens": attach_payload(payloads, np.asarray(ids, dtype=np.int32))}
+    control: dict[str, Any] = {
+        "kind": "tokens",
+        "id": rid,
+        "tokens": attach_payload(payloads, np.asarray(ids, dtype=np.int32)),
+    }
     if text is not None:
         control["text"] = text
     return Frame(control, payloads)

@@ -11,10 +11,12 @@ continuing from a position needs (``FullRetention``, ``RingRetention``, ``CacheR
 cache of given shape allocates (``planned_nbytes``), and the batch check every executor makes
 before it runs a forward (``check_batch``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from muxworker.transport.checkpoint import LayerState, required_rows
 
@@ -167,11 +169,8 @@ def planned_nbytes(
     (the MLX cache has the same layouts and sizes)."""
     rows = 0
     for w in windows:
-        full = w is None or w >= max_tokens
-        rows += max_tokens if full else w + min(rollback_rows, max_tokens - w)
+        rows += max_tokens if w is None or w >= max_tokens else w + min(rollback_rows, max_tokens - w)
     return 2 * slots * rows * kv_heads * head_dim * itemsize
-
-
 
 
 def geometry(executor: Executor) -> dict[str, Any]:
@@ -180,6 +179,6 @@ def geometry(executor: Executor) -> dict[str, Any]:
     return {
         "num_layers": int(args.num_hidden_layers),
         "num_kv_heads": args.num_kv_heads,
-        "head_dim": int(args.head_dim),  # type: ignore[arg-type]
+        "head_dim": args.head_size,
         "windows": list(executor.cache.windows),
     }

@@ -3,6 +3,7 @@
 ``Engine`` (``core.py``) is the facade the worker process and the tests drive: open, close, reset,
 submit, cancel, step, export, restore, shutdown.
 """
+
 from __future__ import annotations
 
 from .config import EngineConfig

@@ -1,4 +1,5 @@
 """The engine's limits and scheduling knobs (the worker's flags), as a dataclass."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -40,10 +40,12 @@ Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULAT
 - Prefill chunks are fed to the draft in its first forward of the step, so after a prefill the
   draft is level with the target.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,7 +160,11 @@ class Engine:
     @property
     def stats(self) -> dict[str, float]:
         """Forward counts and times of the target (and the draft, with one)."""
-        draft = self.proposer.stats if self.proposer is not None else {"draft_forward_calls": 0, "draft_forward_time_s": 0.0}
+        draft = (
+            self.proposer.stats
+            if self.proposer is not None
+            else {"draft_forward_calls": 0, "draft_forward_time_s": 0.0}
+        )
         return {**self._stats, **draft}
 
     @property
@@ -312,10 +318,12 @@ class Engine:
                 f"prompt ({len(ids)} tokens) plus max_new_tokens ({max_new}) exceeds max_session_tokens ({room})"
             )
         stop_ids = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
-        seed = params.seed
-        if not params.greedy and seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-        gen = torch.Generator().manual_seed(seed) if not params.greedy else None
+        gen: torch.Generator | None = None
+        if not params.greedy:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            gen = torch.Generator().manual_seed(seed)
         fresh = s.kv_len == 0
         reused = self._reusable_prefix(s, ids)
         floor = s.kv_floor if reused else 0

@@ -3,6 +3,7 @@ cut keeps, and the result map of a finished request (exactly the client's RESULT
 
 Pure functions of a request's state; the engine (core.py) calls them and commits what they decide.
 """
+
 from __future__ import annotations
 
 import bisect

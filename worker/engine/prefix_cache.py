@@ -8,11 +8,12 @@ rule as truncating a session).
 
 Owner: the engine thread.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -1,13 +1,14 @@
 """Token selection: greedy, temperature, top-k, top-p, min-p, penalties, seeded; and speculative verification.
 
 The fields and their ranges are defined once, in :mod:`muxworker.transport.sampling`."""
+
 from __future__ import annotations
 
 import math
+
 import torch
 
 from muxworker.transport.sampling import SamplingFields
-
 
 SamplingParams = SamplingFields  # the worker's name for the one definition in transport/sampling.py
 

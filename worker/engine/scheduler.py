@@ -7,6 +7,7 @@ prompts never stall decoding. :meth:`Batch.pack` lays the target's forward out a
 list with a ``SeqSpan`` per sequence: each decoding request's last committed token plus its drafted
 tokens (logits for every row), then each chunk (logits for its last row when it ends the prompt).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

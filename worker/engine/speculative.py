@@ -8,6 +8,7 @@ See docs/SPECULATIVE.md for the whole scheme.
 Draft state per session (engine/state.py): ``draft_len <= kv_len`` rows of the draft's slot hold
 its KV; committed tokens ``tokens[draft_len:kv_len]`` are pending and fed in its next forward.
 """
+
 from __future__ import annotations
 
 import time
@@ -72,7 +73,9 @@ class DraftProposer:
         if draft.dtype_name != target.dtype_name:
             raise InvalidArgument(f"the draft runs in {draft.dtype_name} but the target in {target.dtype_name}")
         if draft.cache.slots < target.cache.slots:
-            raise InvalidArgument(f"the draft's cache has {draft.cache.slots} slots; the target's has {target.cache.slots}")
+            raise InvalidArgument(
+                f"the draft's cache has {draft.cache.slots} slots; the target's has {target.cache.slots}"
+            )
         draft_context = int(draft.args.max_position_embeddings)
         if config.max_session_tokens > draft_context:
             raise InvalidArgument(
@@ -114,7 +117,12 @@ class DraftProposer:
     # -- one step ------------------------------------------------------------------------
 
     def _forward(
-        self, reqs: list[Request], tokens: list[int], positions: list[int], spans: list[SeqSpan], rows: list[int],
+        self,
+        reqs: list[Request],
+        tokens: list[int],
+        positions: list[int],
+        spans: list[SeqSpan],
+        rows: list[int],
         failures: Failures,
     ) -> torch.Tensor | None:
         """One draft forward; on failure record ``reqs`` as failed and return None."""
@@ -129,7 +137,9 @@ class DraftProposer:
             self.stats["draft_forward_calls"] += 1
             self.stats["draft_forward_time_s"] += time.perf_counter() - t0
 
-    def propose(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> tuple[dict[int, Proposal], Failures]:
+    def propose(
+        self, decoding: list[Request], chunks: list[tuple[Request, int]]
+    ) -> tuple[dict[int, Proposal], Failures]:
         """Feed the draft pending tokens and this step's prefill chunks, and draft tokens for the
         decoding requests. Returns the proposals by request id and the requests that failed.
 
@@ -207,7 +217,11 @@ class DraftProposer:
         else:
             empty = np.zeros((0, geo["num_kv_heads"], geo["head_dim"]), numpy_storage_dtype(self.executor.dtype_name))
             layers = [LayerState(0, empty, empty.copy()) for _ in range(geo["num_layers"])]
-        return {"geometry": geo, "layers": layers, "pending_token_ids": np.asarray(s.tokens[at:position], dtype=np.int32)}
+        return {
+            "geometry": geo,
+            "layers": layers,
+            "pending_token_ids": np.asarray(s.tokens[at:position], dtype=np.int32),
+        }
 
     def check_state(self, checkpoint: CPUCheckpoint) -> int:
         """Check a checkpoint's draft state against this draft; return the draft's position."""

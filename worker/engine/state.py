@@ -4,11 +4,13 @@ Owner: the engine thread (see core.py). A session's lengths are the one truth ev
 is asked against: ``kv_len`` rows of its slot hold KV of ``tokens[:kv_len]``, ring layers from
 ``kv_floor`` on.
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from muxworker.transport.errors import MuxError
 

@@ -3,6 +3,7 @@ checkpoint is bound to. Applications may use this layer directly to resolve a mo
 SessionStore to it; importing it does not import torch (only loading weights or converting a GGUF
 does).
 """
+
 from __future__ import annotations
 
 from .args import ConfigError, ModelArgs

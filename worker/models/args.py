@@ -1,4 +1,5 @@
 """A model's configuration (config.json) as a dataclass: unknown keys dropped, derived values in __post_init__."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,9 +64,7 @@ class ModelArgs:
         if not self.windows:
             self.windows = self._derive_windows()
         if len(self.windows) != self.num_hidden_layers:
-            raise ConfigError(
-                f"windows has {len(self.windows)} entries for {self.num_hidden_layers} layers"
-            )
+            raise ConfigError(f"windows has {len(self.windows)} entries for {self.num_hidden_layers} layers")
 
     def _derive_windows(self) -> list[int | None]:
         n = self.num_hidden_layers
@@ -90,10 +89,18 @@ class ModelArgs:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.num_key_value_heads)  # type: ignore[arg-type]
+        """``num_key_value_heads`` once derived (``__post_init__`` fills it in)."""
+        assert self.num_key_value_heads is not None
+        return self.num_key_value_heads
+
+    @property
+    def head_size(self) -> int:
+        """``head_dim`` once derived (``__post_init__`` fills it in)."""
+        assert self.head_dim is not None
+        return self.head_dim
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
         """Build from a Hugging Face config.json dict; unknown keys are dropped."""
         d = dict(config)
         archs = d.get("architectures") or []
@@ -119,7 +126,7 @@ class ModelArgs:
         return cls(**{k: v for k, v in d.items() if k in names and k in params})
 
 
-def rope_inv_freq(args: ModelArgs) -> "list[float]":
+def rope_inv_freq(args: ModelArgs) -> list[float]:
     """Inverse frequencies for RoPE, with linear and llama3 scaling (as transformers computes them)."""
     dim = args.head_dim
     assert dim is not None

@@ -40,7 +40,6 @@ from muxworker.worker.models.loader import CONVERTER_VERSION, InvalidModelError,
 __all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main", "read_gguf_metadata"]
 
 
-
 class UnsupportedGGUFError(InvalidModelError):
     """The GGUF file uses an architecture, tensor or tokenizer the converter does not handle."""
 
@@ -143,7 +142,9 @@ def _plan_tensors(reader: gguf.GGUFReader, n_head: int, n_kv_head: int, n_layer:
         f"model.layers.{i}.{hf}.weight" for i in range(n_layer) for hf in _BLOCK_TENSORS.values()
     }
     if missing := sorted(expected - names):
-        raise InvalidModelError(f"GGUF file lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise InvalidModelError(
+            f"GGUF file lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
     if extra := sorted(n for n in names if n.startswith("model.layers.") and int(n.split(".")[2]) >= n_layer):
         raise InvalidModelError(f"GGUF file has tensors beyond block_count={n_layer}: {', '.join(extra[:4])}")
     return plans
@@ -237,7 +238,10 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
     }
     scaling = metadata.get(key("rope.scaling.type"), "none")
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(_require(metadata, key("rope.scaling.factor")))}
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(_require(metadata, key("rope.scaling.factor"))),
+        }
     elif scaling != "none":
         raise UnsupportedGGUFError(f"rope scaling type {scaling!r}")
     for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
@@ -264,14 +268,20 @@ def _check_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) ->
         "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
     }
-    expected = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    expected = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
     for i in range(config["num_hidden_layers"]):
         for module, shape in per_layer.items():
             expected[f"model.layers.{i}.{module}.weight"] = shape
             expected[f"model.layers.{i}.{module}.bias"] = shape[:1]
     for name, shape in shapes.items():
         if shape != expected[name]:
-            raise InvalidModelError(f"GGUF tensor for {name} has shape {list(shape)}, the metadata implies {list(expected[name])}")
+            raise InvalidModelError(
+                f"GGUF tensor for {name} has shape {list(shape)}, the metadata implies {list(expected[name])}"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,8 +425,8 @@ def _build_tokenizer(metadata: dict[str, Any]) -> tuple[BackendTokenizer, dict[s
 
     eog: list[int] = [eos_id] if eos_id is not None else []
     for key in ("eot_token_id", "eom_token_id"):
-        if (index := token_text(key)[0]) is not None:
-            eog.append(index)
+        if (eog_id := token_text(key)[0]) is not None:
+            eog.append(eog_id)
     eog += [vocab[t] for t in _EOG_TEXTS if t in vocab]
     eog = list(dict.fromkeys(eog))
     generation_config: dict[str, Any] = {"bos_token_id": bos_id, "eos_token_id": eog[0] if len(eog) == 1 else eog}

@@ -3,13 +3,20 @@
 Applications pass these to ``SessionStore.create(path, model_files=..., configuration=...)`` so a
 checkpoint saved with one model or configuration is refused by a worker running another.
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
 
-_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+_MODEL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def model_identity_files(model_dir: str | os.PathLike[str]) -> list[Path]:

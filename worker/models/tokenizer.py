@@ -65,7 +65,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson escapes HTML characters, which would change the prompt.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -129,7 +131,9 @@ class Tokenizer:
         bos = self.special_tokens.get("bos_token")
         bos_id = backend.token_to_id(bos) if bos is not None else None
         if bos_id is None:
-            bos_id = next(iter(_ids(generation_config.get("bos_token_id")) or _ids(model_config.get("bos_token_id"))), None)
+            bos_id = next(
+                iter(_ids(generation_config.get("bos_token_id")) or _ids(model_config.get("bos_token_id"))), None
+            )
         self.bos_token_id: int | None = bos_id
 
         eos = self.special_tokens.get("eos_token")

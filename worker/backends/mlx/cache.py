@@ -21,6 +21,7 @@ index arrays.
 
 Owner: the engine thread. Nothing else reads or writes these arrays.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,6 @@ class AttentionKV:
 class LayerCache:
     """Interface shared by every cache layout (the same as cache.LayerCache)."""
 
-    window: int | None
     k: list[mx.array]  # per slot
     v: list[mx.array]
 
@@ -59,6 +59,10 @@ class LayerCache:
 
     def needed(self, position: int) -> int:
         """First position whose row is needed to continue at ``position``."""
+        raise NotImplementedError
+
+    def keep(self, position: int) -> int:
+        """First position an export at ``position`` writes (what ``retained(position)`` claims)."""
         raise NotImplementedError
 
     def attention_kv(self, slot: int, start: int, k_new: mx.array, v_new: mx.array) -> AttentionKV:
@@ -158,9 +162,7 @@ class RingLayerCache(RingRetention, LayerCache):
     a slot roll back past rows it wrote (speculative decoding); ``retained`` never counts them.
     """
 
-    def __init__(
-        self, slots: int, window: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, spare: int = 0
-    ) -> None:
+    def __init__(self, slots: int, window: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, spare: int = 0) -> None:
         if spare < 0:
             raise ValueError(f"spare rows must be >= 0, got {spare}")
         self.window = window

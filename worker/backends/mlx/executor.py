@@ -9,23 +9,23 @@ Every MLX call runs on the executor's device stream (``mx.stream``), never by ch
 default device. ``forward`` evaluates the logits and every cache array it wrote before returning, so
 no work stays lazily deferred across engine steps.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
 import torch
 
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
-
-from muxworker.worker.models.args import ModelArgs
-from muxworker.worker.models.loader import ModelFiles
-from muxworker.worker.backends.mlx.cache import KVCache
 from muxworker.worker.backends.interface import SeqSpan, check_batch
+from muxworker.worker.backends.mlx.cache import KVCache
 from muxworker.worker.backends.mlx.model import Transformer, build_model
-from muxworker.worker.models.loader import InvalidModelError
+from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.models.loader import InvalidModelError, ModelFiles
 
 __all__ = ["DTYPES", "MLXExecutor", "check_device", "load_model", "resolve_device"]
 
@@ -49,7 +49,7 @@ def resolve_device(device: str) -> mx.Device:
     dev = mx.cpu if kind == "cpu" else mx.gpu
     if not mx.is_available(dev):
         raise ValueError(f"--device {device} was asked for but MLX has no GPU here (install mlx with Metal or CUDA)")
-    return dev
+    return cast(mx.Device, dev)  # a DeviceType works wherever MLX takes a Device
 
 
 def load_model(files: ModelFiles, args: ModelArgs, *, device: str, dtype: str) -> Transformer:
@@ -101,7 +101,7 @@ class MLXExecutor:
                 slots,
                 max_session_tokens,
                 self.args.num_kv_heads,
-                int(self.args.head_dim),  # type: ignore[arg-type]
+                self.args.head_size,
                 self.dtype,
                 rollback_rows=rollback_rows,
             )
@@ -119,14 +119,16 @@ class MLXExecutor:
     ) -> torch.Tensor:
         """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
         # MLX gathers do not check bounds: out-of-range ids or positions would read garbage.
-        check_batch(tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.model.rope_positions)
+        check_batch(
+            tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.model.rope_positions
+        )
         with mx.stream(self.device):
             logits = self.model(
-                mx.array(tokens, dtype=mx.int32),
-                mx.array(positions, dtype=mx.int32),
+                mx.array(list(tokens), dtype=mx.int32),
+                mx.array(list(positions), dtype=mx.int32),
                 spans,
                 self.cache,
-                mx.array(logits_rows, dtype=mx.int32),
+                mx.array(list(logits_rows), dtype=mx.int32),
             )
             mx.eval(logits, self.cache.slot_arrays({s.slot for s in spans}))
         return torch.from_numpy(np.array(logits, copy=True))
@@ -148,12 +150,12 @@ class MLXExecutor:
         with mx.stream(self.device):
             for layer, state in zip(self.cache.layers, layers):
                 if state.keys.dtype != storage or state.values.dtype != storage:
-                    raise ValueError(
-                        f"layer rows are {state.keys.dtype}; a {self.dtype_name} cache needs {storage}"
-                    )
+                    raise ValueError(f"layer rows are {state.keys.dtype}; a {self.dtype_name} cache needs {storage}")
                 lo = max(state.start, layer.keep(position))
                 a, b = lo - state.start, position - state.start
-                layer.import_rows(slot, lo, _from_numpy(state.keys[a:b], self.dtype), _from_numpy(state.values[a:b], self.dtype))
+                layer.import_rows(
+                    slot, lo, _from_numpy(state.keys[a:b], self.dtype), _from_numpy(state.values[a:b], self.dtype)
+                )
                 if lo > layer.keep(position):
                     floor = max(floor, lo)
             mx.eval(self.cache.slot_arrays([slot]))

@@ -13,17 +13,18 @@ rotate_half convention; RMSNorm is ``mx.fast.rms_norm`` (float32 inside); attent
 Dimension names: N packed tokens, H query heads, KV key/value heads, D head dim, C hidden size,
 L keys attended, V vocabulary, P rope positions.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from muxworker.worker.models.args import ModelArgs, rope_inv_freq
-from muxworker.worker.backends.mlx.cache import KVCache
 from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.mlx.cache import KVCache
+from muxworker.worker.models.args import ModelArgs, rope_inv_freq
 
 __all__ = [
     "ARCHITECTURES",
@@ -57,7 +58,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads = args.num_attention_heads
         self.n_kv = args.num_kv_heads
-        self.head_dim = int(args.head_dim)  # type: ignore[arg-type]
+        self.head_dim = args.head_size
         self.window = args.windows[layer_idx]
         c = args.hidden_size
         self.q_proj = nn.Linear(c, self.n_heads * self.head_dim, bias=args.attention_bias)

@@ -9,6 +9,7 @@ only, so any layout that implements it is saveable.
 
 Owner: the engine thread. Nothing else reads or writes these tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,6 @@ class AttentionKV:
 class LayerCache:
     """Interface shared by every cache layout."""
 
-    window: int | None
     k: torch.Tensor
     v: torch.Tensor
 
@@ -45,6 +45,10 @@ class LayerCache:
 
     def needed(self, position: int) -> int:
         """First position whose row is needed to continue at ``position``."""
+        raise NotImplementedError
+
+    def keep(self, position: int) -> int:
+        """First position an export at ``position`` writes (what ``retained(position)`` claims)."""
         raise NotImplementedError
 
     def attention_kv(self, slot: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> AttentionKV:

@@ -4,10 +4,11 @@ The engine never touches tensors of a backend; it hands an executor a packed bat
 and gets float32 logits back on the CPU, and it moves checkpoint rows through ``LayerState``
 (numpy, logical layout). ``TorchExecutor`` runs on CPU or CUDA; an MLX executor mirrors it.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class TorchExecutor:
             slots,
             max_session_tokens,
             self.args.num_kv_heads,
-            int(self.args.head_dim),  # type: ignore[arg-type]
+            self.args.head_size,
             self.dtype,
             self.device,
             rollback_rows=rollback_rows,
@@ -81,7 +82,9 @@ class TorchExecutor:
         self, tokens: Sequence[int], positions: Sequence[int], spans: Sequence[SeqSpan], logits_rows: Sequence[int]
     ) -> torch.Tensor:
         """Run one packed batch; return float32 CPU logits [len(logits_rows), V]."""
-        check_batch(tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.cache.max_tokens)
+        check_batch(
+            tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.cache.max_tokens
+        )
         dev = self.device
         logits = self.model(
             torch.tensor(tokens, dtype=torch.long, device=dev),

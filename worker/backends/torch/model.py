@@ -8,6 +8,7 @@ Linear layers run once over all N rows; attention runs per sequence against that
 Dimension names: N packed tokens, H query heads, KV key/value heads, D head dim, C hidden size,
 L keys attended, V vocabulary.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads = args.num_attention_heads
         self.n_kv = args.num_kv_heads
-        self.head_dim = int(args.head_dim)  # type: ignore[arg-type]
+        self.head_dim = args.head_size
         self.window = args.windows[layer_idx]
         c = args.hidden_size
         self.q_proj = nn.Linear(c, self.n_heads * self.head_dim, bias=args.attention_bias)
@@ -76,16 +77,16 @@ class Attention(nn.Module):
             rows = torch.tensor([s.offset for s in decode], device=x.device)
             slots = torch.tensor([s.slot for s in decode], device=x.device)
             pos = torch.tensor([s.start for s in decode], device=x.device)
-            kb, vb, mask = layer_cache.decode_kv(slots, pos, k[rows], v[rows])  # [B, KV, L, D]
-            out[rows] = _decode_attention(q[rows], kb, vb, mask, self.scale)
+            kb, vb, valid = layer_cache.decode_kv(slots, pos, k[rows], v[rows])  # [B, KV, L, D]
+            out[rows] = _decode_attention(q[rows], kb, vb, valid, self.scale)
             spans = [s for s in spans if s.length != 1]
         for s in spans:
-            rows = slice(s.offset, s.offset + s.length)
-            kv = layer_cache.attention_kv(s.slot, s.start, k[rows], v[rows])
-            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            span = slice(s.offset, s.offset + s.length)
+            kv = layer_cache.attention_kv(s.slot, s.start, k[span], v[span])
+            qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             ks = kv.k.unsqueeze(0)  # [1, KV, L, D]
             vs = kv.v.unsqueeze(0)
-            mask = None
+            mask: torch.Tensor | None = None
             causal = False
             if s.length > 1:
                 if kv.lo == s.start == 0 and (self.window is None or s.length <= self.window):
@@ -96,8 +97,10 @@ class Attention(nn.Module):
                     mask = kpos <= qpos
                     if self.window is not None:
                         mask &= kpos > qpos - self.window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
-            out[rows] = o[0].transpose(0, 1)  # [T, H, D]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+            )
+            out[span] = o[0].transpose(0, 1)  # [T, H, D]
         return self.o_proj(out.view(n, self.n_heads * self.head_dim))
 
 
