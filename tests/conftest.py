@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import pytest
-
-from tiny_models import write_tiny_model
+from helpers.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

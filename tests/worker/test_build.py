@@ -1,4 +1,5 @@
 """Building an engine: impossible configurations are refused before anything is allocated."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,9 @@ import torch
 
 from muxworker.transport.errors import InvalidArgument
 from muxworker.worker import build
-from muxworker.worker.build import load_engine, weight_nbytes
-from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.interface import planned_nbytes
+from muxworker.worker.backends.torch.cache import KVCache
+from muxworker.worker.build import load_engine, weight_nbytes
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.models.args import ModelArgs
 
@@ -39,19 +40,25 @@ def no_weights_loaded(monkeypatch):
 
 def test_a_session_longer_than_the_context_is_refused_before_loading(tiny_llama_dir, no_weights_loaded):
     context = ModelArgs.from_dict(build.load_model_dir(tiny_llama_dir).config).max_position_embeddings
-    with pytest.raises(InvalidArgument, match=rf"--max_session_tokens {context + 1} exceeds the model's context length \({context}\)"):
+    with pytest.raises(
+        InvalidArgument, match=rf"--max_session_tokens {context + 1} exceeds the model's context length \({context}\)"
+    ):
         load_engine(tiny_llama_dir, EngineConfig(max_session_tokens=context + 1), progress=None)
 
 
 def test_a_cache_larger_than_memory_is_refused_naming_the_flags(tiny_llama_dir, no_weights_loaded, monkeypatch):
     monkeypatch.setattr(build, "available_memory", lambda device: 64 * 2**20)
-    with pytest.raises(InvalidArgument, match=r"--max_sessions 512 .*--max_session_tokens 4096.*only 0\.1 GiB of cpu memory"):
+    with pytest.raises(
+        InvalidArgument, match=r"--max_sessions 512 .*--max_session_tokens 4096.*only 0\.1 GiB of cpu memory"
+    ):
         load_engine(tiny_llama_dir, EngineConfig(max_sessions=512, max_session_tokens=4096), progress=None)
 
 
 async def test_the_worker_refuses_at_start(tiny_llama_dir):
     from muxworker.client import WorkerStartupError, default_worker_command, spawn_multiplexed_worker
 
-    with pytest.raises(WorkerStartupError, match=r"--max_session_tokens 100000 exceeds the model's context length \(4096\)"):
+    with pytest.raises(
+        WorkerStartupError, match=r"--max_session_tokens 100000 exceeds the model's context length \(4096\)"
+    ):
         async with spawn_multiplexed_worker(default_worker_command(tiny_llama_dir, max_session_tokens=100000)):
             pass

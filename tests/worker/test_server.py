@@ -3,6 +3,7 @@
 These tests speak the wire protocol directly with the transport's blocking reader and writer, so
 they cover what the trio client never sends: malformed frames, bad flags, signals.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,15 @@ import numpy as np
 import pytest
 
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
-from muxworker.transport.framing import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, Frame, attach_payload, encode_frame, payload_array
+from muxworker.transport.framing import (
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Frame,
+    attach_payload,
+    encode_frame,
+    payload_array,
+)
 from muxworker.worker.server import EXIT_INTERNAL, EXIT_OK, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE
 
 WORKER = [sys.executable, "-m", "muxworker.worker"]
@@ -126,8 +135,16 @@ class RawWorker:
 def _generate(rid: int, sid: str, ids: list[int], max_new_tokens: int = 8, **extra) -> tuple[dict, list]:
     payloads: list = []
     ref = attach_payload(payloads, np.asarray(ids, dtype=np.int32))
-    control = {"kind": "generate", "id": rid, "session_id": sid, "prompt": [{"tokens": ref}],
-               "max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [], **extra}
+    control = {
+        "kind": "generate",
+        "id": rid,
+        "session_id": sid,
+        "prompt": [{"tokens": ref}],
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "stop_token_ids": [],
+        **extra,
+    }
     return control, payloads
 
 
@@ -164,9 +181,24 @@ def test_hello_describes_model_backend_and_limits(model, tmp_path):
 def test_help_explains_every_flag():
     out = subprocess.run([*WORKER, "--help"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0
-    for flag in ("--model", "--backend", "--device", "--dtype", "--max_sessions", "--max_session_tokens",
-                 "--max_decode_sequences", "--max_inflight_requests", "--prefill_chunk_tokens",
-                 "--prefix_cache_entries", "--threads", "--draft", "--n_draft", "--seed", "--control-fd", "--reply-fd"):
+    for flag in (
+        "--model",
+        "--backend",
+        "--device",
+        "--dtype",
+        "--max_sessions",
+        "--max_session_tokens",
+        "--max_decode_sequences",
+        "--max_inflight_requests",
+        "--prefill_chunk_tokens",
+        "--prefix_cache_entries",
+        "--threads",
+        "--draft",
+        "--n_draft",
+        "--seed",
+        "--control-fd",
+        "--reply-fd",
+    ):
         assert flag in out.stdout
 
 
@@ -262,8 +294,10 @@ def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model,
         assert w.final(6)["code"] == "invalid_argument"
         w.send(*_generate(7, "a", [1, 10_000]))
         assert "outside the vocabulary" in w.final(7)["message"]
-        w.send({"kind": "detokenize", "id": 8, "tokens": {"payload": 0, "dtype": "int32", "shape": [1]}},
-               [np.asarray([10_000], dtype=np.int32)])
+        w.send(
+            {"kind": "detokenize", "id": 8, "tokens": {"payload": 0, "dtype": "int32", "shape": [1]}},
+            [np.asarray([10_000], dtype=np.int32)],
+        )
         assert w.final(8)["code"] == "invalid_argument"
         w.send({"kind": "tokenize", "id": 9, "text": "x"}, [b"stray payload"])
         assert w.final(9)["kind"] == "tokens"  # payloads nobody names are ignored
@@ -348,15 +382,21 @@ def test_export_restore_round_trip_over_the_wire(model, tmp_path):
         assert ckpt.control["kind"] == "checkpoint"
         manifest = ckpt.control["checkpoint"]
         assert manifest["position"] == 37 + 4 - 1  # the last sampled token has no KV yet
-        w.send({"kind": "restore", "id": 4, "session_id": "b", "position": manifest["position"], "checkpoint": manifest},
-               [bytes(p) for p in ckpt.payloads])
+        w.send(
+            {"kind": "restore", "id": 4, "session_id": "b", "position": manifest["position"], "checkpoint": manifest},
+            [bytes(p) for p in ckpt.payloads],
+        )
         assert w.final(4)["kind"] == "ok"
-        w.send({"kind": "restore", "id": 5, "session_id": "b", "position": 1, "checkpoint": manifest},
-               [bytes(p) for p in ckpt.payloads])
+        w.send(
+            {"kind": "restore", "id": 5, "session_id": "b", "position": 1, "checkpoint": manifest},
+            [bytes(p) for p in ckpt.payloads],
+        )
         assert w.final(5)["code"] == "session_exists"
         broken = dict(manifest, position=manifest["position"] + 1)
-        w.send({"kind": "restore", "id": 6, "session_id": "c", "position": 1, "checkpoint": broken},
-               [bytes(p) for p in ckpt.payloads])
+        w.send(
+            {"kind": "restore", "id": 6, "session_id": "c", "position": 1, "checkpoint": broken},
+            [bytes(p) for p in ckpt.payloads],
+        )
         assert w.final(6)["code"] == "checkpoint_rejected"
         w.close_control()
         assert w.wait() == EXIT_OK
@@ -421,11 +461,17 @@ def _header(control_len: int, payload_lengths: tuple[int, ...] = (), magic: byte
         pytest.param(b"GET / HTTP/1.1\r\n\r\n", "bad magic", id="bad-magic"),
         pytest.param(_header(3) + b"\xc1\xc1\xc1", "not valid msgpack", id="bad-msgpack"),
         pytest.param(_header(1) + msgpack.packb(7), "must be a msgpack map", id="control-not-a-map"),
-        pytest.param(_header(len(msgpack.packb({"kind": "open"}))) + msgpack.packb({"kind": "open"}),
-                     "missing required field", id="no-request-id"),
-        pytest.param(_header(len(msgpack.packb({"kind": "open", "id": -1, "session_id": "a"})))
-                     + msgpack.packb({"kind": "open", "id": -1, "session_id": "a"}),
-                     "field id", id="negative-request-id"),
+        pytest.param(
+            _header(len(msgpack.packb({"kind": "open"}))) + msgpack.packb({"kind": "open"}),
+            "missing required field",
+            id="no-request-id",
+        ),
+        pytest.param(
+            _header(len(msgpack.packb({"kind": "open", "id": -1, "session_id": "a"})))
+            + msgpack.packb({"kind": "open", "id": -1, "session_id": "a"}),
+            "field id",
+            id="negative-request-id",
+        ),
     ],
 )
 def test_malformed_frames_exit_with_a_message(model, tmp_path, data, message):
@@ -475,8 +521,11 @@ def _greedy_run(args: list[str], tmp_path: Path) -> tuple[dict, list[int]]:
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param(["--backend", "mlx"], id="mlx",
-                     marks=pytest.mark.skipif(not _has_mlx(), reason="the mlx package is not installed")),
+        pytest.param(
+            ["--backend", "mlx"],
+            id="mlx",
+            marks=pytest.mark.skipif(not _has_mlx(), reason="the mlx package is not installed"),
+        ),
         pytest.param(["--n_draft", "3"], id="draft"),
     ],
 )
@@ -497,47 +546,56 @@ def test_backends_and_speculative_decoding_serve_the_same_greedy_tokens(model, t
 
 # A worker whose every forward pass takes SLOW_STEP_S: time.sleep releases the GIL like a real
 # long pass in torch does, so only a heartbeat from another thread can fill the gaps.
-SLOW_STEPS = [sys.executable, "-c", (
-    "import runpy, time\n"
-    "import muxworker.worker.engine as e\n"
-    "step = e.Engine.step\n"
-    "def slow(self):\n"
-    "    time.sleep(0.3)\n"
-    "    return step(self)\n"
-    "e.Engine.step = slow\n"
-    "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
-)]
+SLOW_STEPS = [
+    sys.executable,
+    "-c",
+    (
+        "import runpy, time\n"
+        "import muxworker.worker.engine as e\n"
+        "step = e.Engine.step\n"
+        "def slow(self):\n"
+        "    time.sleep(0.3)\n"
+        "    return step(self)\n"
+        "e.Engine.step = slow\n"
+        "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+    ),
+]
+
 
 # A worker whose engine loop fails in the first step after a generation on session "boom" is
 # accepted; the step says so on stderr and waits until QUEUED more frames are in the inbox, so those
 # are queued at the failure, never seen by the engine.
 def _failing_engine(queued: int) -> list[str]:
-    return [sys.executable, "-c", (
-        "import runpy, sys, time\n"
-        "import muxworker.worker.engine as e, muxworker.worker.server as srv\n"
-        "servers = []\n"
-        "init = srv.WorkerServer.__init__\n"
-        "def keep(self, *a, **k):\n"
-        "    init(self, *a, **k)\n"
-        "    servers.append(self)\n"
-        "srv.WorkerServer.__init__ = keep\n"
-        "submit, step = e.Engine.submit, e.Engine.step\n"
-        "armed = []\n"
-        "def arm(self, rid, sid, *a, **k):\n"
-        "    submit(self, rid, sid, *a, **k)\n"
-        "    if sid == 'boom':\n"
-        "        armed.append(rid)\n"
-        "def failing(self):\n"
-        "    if armed:\n"
-        "        print('failing step: waiting for queued frames', file=sys.stderr, flush=True)\n"
-        "        deadline = time.monotonic() + 60\n"
-        f"        while servers[0]._inbox._frames < {queued} and time.monotonic() < deadline:\n"
-        "            time.sleep(0.01)\n"
-        "        raise RuntimeError('injected engine failure')\n"
-        "    return step(self)\n"
-        "e.Engine.submit, e.Engine.step = arm, failing\n"
-        "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
-    )]
+    return [
+        sys.executable,
+        "-c",
+        (
+            "import runpy, sys, time\n"
+            "import muxworker.worker.engine as e, muxworker.worker.server as srv\n"
+            "servers = []\n"
+            "init = srv.WorkerServer.__init__\n"
+            "def keep(self, *a, **k):\n"
+            "    init(self, *a, **k)\n"
+            "    servers.append(self)\n"
+            "srv.WorkerServer.__init__ = keep\n"
+            "submit, step = e.Engine.submit, e.Engine.step\n"
+            "armed = []\n"
+            "def arm(self, rid, sid, *a, **k):\n"
+            "    submit(self, rid, sid, *a, **k)\n"
+            "    if sid == 'boom':\n"
+            "        armed.append(rid)\n"
+            "def failing(self):\n"
+            "    if armed:\n"
+            "        print('failing step: waiting for queued frames', file=sys.stderr, flush=True)\n"
+            "        deadline = time.monotonic() + 60\n"
+            f"        while servers[0]._inbox._frames < {queued} and time.monotonic() < deadline:\n"
+            "            time.sleep(0.01)\n"
+            "        raise RuntimeError('injected engine failure')\n"
+            "    return step(self)\n"
+            "e.Engine.submit, e.Engine.step = arm, failing\n"
+            "runpy.run_module('muxworker.worker', run_name='__main__', alter_sys=True)\n"
+        ),
+    ]
 
 
 def _wait_for_stderr(w: RawWorker, text: str) -> None:
@@ -572,7 +630,7 @@ def test_heartbeats_fill_a_long_forward_pass_and_only_when_asked(model, tmp_path
                 if frame.control.get("id") == 2 and frame.control["kind"] != "token":
                     break
             assert kinds[-1] == "done"
-            between = kinds[kinds.index("token"):]  # 0.3 s passes each: room for several beats
+            between = kinds[kinds.index("token") :]  # 0.3 s passes each: room for several beats
             assert ("heartbeat" in between) is expect, kinds
             w.close_control()
             assert w.wait() == EXIT_OK
@@ -625,7 +683,10 @@ def test_a_client_that_never_reads_replies_cannot_grow_the_worker_without_bound(
     def detokenize(rid: int) -> bytes:
         payloads: list = []
         ref = attach_payload(payloads, ids)
-        return b"".join(bytes(memoryview(b)) for b in encode_frame(Frame({"kind": "detokenize", "id": rid, "tokens": ref}, payloads)))
+        return b"".join(
+            bytes(memoryview(b))
+            for b in encode_frame(Frame({"kind": "detokenize", "id": rid, "tokens": ref}, payloads))
+        )
 
     with RawWorker(_args(model), tmp_path) as w:
         w.send_raw(detokenize(1))
@@ -645,7 +706,9 @@ def test_a_client_that_never_reads_replies_cannot_grow_the_worker_without_bound(
                     break
         peak = _vm_kib(w.proc.pid, "VmHWM")
         growth_mib = (peak - before) / 1024
-        print(f"sent {sent / 2**20:.1f} of {len(data) / 2**20:.0f} MiB unread-reply requests; worker peak RSS grew {growth_mib:.1f} MiB")
+        print(
+            f"sent {sent / 2**20:.1f} of {len(data) / 2**20:.0f} MiB unread-reply requests; worker peak RSS grew {growth_mib:.1f} MiB"
+        )
         assert sent < len(data)  # the client was made to wait
         assert growth_mib < 40  # the bound (8 MiB queued + one request + the one being answered)
         # Reading the replies lets everything through: every request is answered, in order.

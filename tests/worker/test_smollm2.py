@@ -1,4 +1,5 @@
 """The bundled SmolLM2-135M-Instruct end to end in-process, against transformers on the same GGUF."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.models.loader import bundled_gguf_path
 from muxworker.worker.engine.sampling import SamplingParams
+from muxworker.worker.models.loader import bundled_gguf_path
 
 pytestmark = pytest.mark.slow
 

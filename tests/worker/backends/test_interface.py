@@ -1,5 +1,6 @@
 """The torch and MLX backends mirror each other: the same public names in the same files, and the
 shared batch check."""
+
 from __future__ import annotations
 
 import importlib

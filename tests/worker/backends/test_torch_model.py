@@ -1,4 +1,5 @@
 """Our torch model against transformers' reference implementations (the oracle), float32."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from muxworker.worker.backends.torch.cache import KVCache
-from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import build_model
+from muxworker.worker.models.args import ModelArgs
 
 ARCHS = ["llama", "llama3", "qwen2", "mistral"]
 

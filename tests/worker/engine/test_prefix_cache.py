@@ -1,14 +1,13 @@
 """Prefix cache: shared prompt prefixes are copied, not recomputed, and never leak between sessions."""
+
 from __future__ import annotations
 
-import pytest
 import torch
+from helpers.engine import greedy, prompt_ids, run
 
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams
-
-from test_engine import greedy, prompt_ids, run
 
 
 def make(model_dir, **cfg):

@@ -1,5 +1,6 @@
 """Sampling: the one definition of the fields, the temperature floor, penalties and min-p, and that no
 parameter value can take the engine down (other sessions decode exactly as alone)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers.engine import greedy, make, prompt_ids, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +17,6 @@ from muxworker.transport.errors import ContextOverflow, InvalidArgument
 from muxworker.transport.sampling import SAMPLING_FIELD_NAMES, TEMPERATURE_FLOOR, SamplingFields
 from muxworker.transport.schema import MESSAGES
 from muxworker.worker.engine.sampling import Penalties, SamplingParams, processed_probs, sample
-from test_engine import greedy, make, prompt_ids, run
 
 
 def test_one_definition_of_the_sampling_fields():
@@ -72,7 +73,9 @@ def test_repetition_penalty_changes_greedy_output(tiny_llama_dir):
     for rp in (1.0, 5.0):
         eng = make(tiny_llama_dir)
         eng.open_session("s")
-        eng.submit(1, "s", prompt_ids(12, 3), SamplingParams(max_new_tokens=24, stop_token_ids=[], repetition_penalty=rp))
+        eng.submit(
+            1, "s", prompt_ids(12, 3), SamplingParams(max_new_tokens=24, stop_token_ids=[], repetition_penalty=rp)
+        )
         outs.append(run(eng)[1][1]["generated_token_ids"])
     assert outs[0] != outs[1]
     seen = set(prompt_ids(12, 3))

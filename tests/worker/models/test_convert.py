@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_testutil import converted_smollm, write_tiny_gguf
+from helpers.gguf_files import converted_smollm, write_tiny_gguf
 from safetensors import safe_open
 
 from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main, unpermute_rotary_rows
@@ -98,7 +98,7 @@ def test_smollm_generation_config_stops_on_im_end_and_endoftext(smollm_dir: Path
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
-    from gguf_testutil import llama_cpp_permute
+    from helpers.gguf_files import llama_cpp_permute
 
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)  # 6 heads of 8 rows
     permuted = llama_cpp_permute(w, 6)
@@ -178,7 +178,9 @@ def test_unsupported_gguf_is_refused_and_nothing_is_written(tmp_path: Path, kwar
 
 def test_tensor_shapes_must_match_metadata(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", ffn=96, claimed_ffn=128)
-    with pytest.raises(InvalidModelError, match=r"mlp.gate_proj.weight has shape \[96, 64\], the metadata implies \[128, 64\]"):
+    with pytest.raises(
+        InvalidModelError, match=r"mlp.gate_proj.weight has shape \[96, 64\], the metadata implies \[128, 64\]"
+    ):
         convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=None)
 
 

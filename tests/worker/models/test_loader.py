@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_testutil import write_tiny_gguf
+from helpers.gguf_files import write_tiny_gguf
 from safetensors.torch import save_file
 
 from muxworker.worker.models import convert, loader
@@ -79,9 +79,7 @@ def test_changed_gguf_gets_a_new_cache_entry(tmp_path: Path) -> None:
     os.utime(gguf_path, ns=(0, os.stat(first / "config.json").st_mtime_ns + 10**9))
     second = resolve_model(gguf_path, progress=None, cache_dir=tmp_path / "cache")
     assert second != first
-    assert not torch.equal(
-        load_state_dict(first)["model.norm.weight"], load_state_dict(second)["model.norm.weight"]
-    )
+    assert not torch.equal(load_state_dict(first)["model.norm.weight"], load_state_dict(second)["model.norm.weight"])
 
 
 def test_cache_location_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +216,11 @@ def test_load_model_dir_named_templates(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("missing", "message"),
-    [("tokenizer.json", "no tokenizer.json"), ("model.safetensors", r"no \*.safetensors"), ("config.json", "no config.json")],
+    [
+        ("tokenizer.json", "no tokenizer.json"),
+        ("model.safetensors", r"no \*.safetensors"),
+        ("config.json", "no config.json"),
+    ],
 )
 def test_load_model_dir_names_what_is_missing(tmp_path: Path, missing: str, message: str) -> None:
     save_file(_tiny_state(), tmp_path / "model.safetensors")

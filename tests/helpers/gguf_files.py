@@ -79,7 +79,10 @@ def write_tiny_gguf(
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32) * 0.05
 
-    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(vocab_rows, hidden), "model.norm.weight": 1 + rand(hidden)}
+    hf: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rand(vocab_rows, hidden),
+        "model.norm.weight": 1 + rand(hidden),
+    }
     if not tied:
         hf["lm_head.weight"] = rand(vocab_rows, hidden)
     w = gguf.GGUFWriter(str(path), arch)

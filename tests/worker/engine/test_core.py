@@ -1,9 +1,10 @@
 """The in-process engine: sessions, continuous batching, history reuse, limits, cancellation."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from helpers.engine import greedy, make, prompt_ids, run
 
 from muxworker.transport.errors import (
     CapacityExhausted,
@@ -15,38 +16,7 @@ from muxworker.transport.errors import (
     SessionNotFound,
     Unsaveable,
 )
-from muxworker.worker.build import load_engine
-from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams
-
-
-def make(model_dir, **cfg):
-    cfg.setdefault("max_session_tokens", 512)
-    return load_engine(model_dir, EngineConfig(**cfg), device="cpu", dtype=torch.float32)
-
-
-def run(engine, max_steps=10_000):
-    """Step until idle; return {request_id: (text, result)}."""
-    texts: dict[int, str] = {}
-    results: dict[int, dict] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            break
-        for out in engine.step():
-            texts[out.request_id] = texts.get(out.request_id, "") + out.text
-            if out.result is not None:
-                results[out.request_id] = out.result
-    assert not engine.has_work()
-    return {rid: (texts.get(rid, ""), res) for rid, res in results.items()}
-
-
-def prompt_ids(n, seed=0, vocab=384):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
-
-
-def greedy(n=8, **kw):
-    return SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=[], **kw)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +43,7 @@ def test_one_forward_batches_several_sessions(llama):
 def test_batching_invariance_8_sessions(llama):
     prompts = [prompt_ids(5 + 7 * i, seed=i) for i in range(8)]
     alone = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         eng = make(llama)
         eng.open_session("s")
         eng.submit(1, "s", p, greedy(12))
@@ -161,7 +131,12 @@ def test_seeded_sampling_is_reproducible(llama):
     for _ in range(2):
         eng = make(llama)
         eng.open_session("s")
-        eng.submit(1, "s", prompt_ids(10), SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7, stop_token_ids=[]))
+        eng.submit(
+            1,
+            "s",
+            prompt_ids(10),
+            SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7, stop_token_ids=[]),
+        )
         outs.append(run(eng)[1][1]["generated_token_ids"])
     assert outs[0] == outs[1]
 

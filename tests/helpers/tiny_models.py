@@ -4,6 +4,7 @@ Each directory is a complete HF model: config.json, model.safetensors, tokenizer
 BPE trained here on a small corpus), tokenizer_config.json with a ChatML chat template, and
 generation_config.json. A worker starts on one in about a second.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,7 +103,9 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, max_position_embeddings: int = 4096, **overrides) -> Path:
+def write_tiny_model(
+    path: Path, arch: str = "llama", *, seed: int = 0, max_position_embeddings: int = 4096, **overrides
+) -> Path:
     """Write a tiny random model of ``arch`` to ``path`` and return it."""
     import torch
     import transformers

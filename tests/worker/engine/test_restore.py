@@ -5,18 +5,19 @@ The model is the tiny Mistral with a window of 16 and prompts of 40+ tokens, so 
 wrapped. Float32, greedy: a continuation is compared token for token with a cold engine that
 prefills the same prompt from nothing.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from helpers.engine import greedy, prompt_ids, run
 
 from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
 from muxworker.transport.errors import CheckpointRejected, InternalError, SessionNotFound
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams
-from test_engine import greedy, prompt_ids, run
 
 WINDOW = 16
 BACKEND = "torch"  # the backend make() builds; the ``backend`` fixture switches it per test
@@ -170,7 +171,9 @@ def test_restore_clears_stale_nan_rows_of_the_slot(tiny_model_factory, arch):
         layer.k[slot].fill_(float("nan"))
         layer.v[slot].fill_(float("nan"))
     eng.restore_checkpoint("r", ck)
-    assert all(torch.isfinite(layer.k[slot]).all() and torch.isfinite(layer.v[slot]).all() for layer in eng.cache.layers)
+    assert all(
+        torch.isfinite(layer.k[slot]).all() and torch.isfinite(layer.v[slot]).all() for layer in eng.cache.layers
+    )
     # A longer session decoding in the same batch makes the restored slot's masked rows part of
     # the padded attention: they must not turn its logits into NaN.
     eng.open_session("long")
@@ -240,7 +243,10 @@ def test_restore_from_a_w_minus_1_file_is_still_exact(mistral, saved, backend):
         saved.geometry,
         saved.position,
         saved.token_ids,
-        [LayerState(x.start + 1, np.ascontiguousarray(x.keys[1:]), np.ascontiguousarray(x.values[1:])) for x in saved.layers],
+        [
+            LayerState(x.start + 1, np.ascontiguousarray(x.keys[1:]), np.ascontiguousarray(x.values[1:]))
+            for x in saved.layers
+        ],
     )
     eng = make(mistral)
     eng.restore_checkpoint("r", old)

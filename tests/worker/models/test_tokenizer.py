@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gguf_testutil import TINY_TEMPLATE, converted_smollm, write_tiny_gguf
+from helpers.gguf_files import TINY_TEMPLATE, converted_smollm, write_tiny_gguf
 from tokenizers import pre_tokenizers
 
 from muxworker.worker.models.convert import convert_gguf
@@ -17,7 +17,7 @@ CORPUS = [
     "Hello, world! How are you today?",
     "The quick brown fox jumps over the lazy dog. It's, they're, we'll, I'd've.",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
     "naïve café, Ünïcödé façade — “quotes” and ‘apostrophes’ … ellipsis",
     "日本語のテキストです。中文文本也在这里。한국어 텍스트.",
     "emoji 😀👍🏽 flags 🇫🇷🇯🇵 family 👨‍👩‍👧‍👦 and ❤️",
@@ -90,7 +90,11 @@ def test_encode_equals_reference(tokenizer: Tokenizer, reference_tokenizer, text
 
 @pytest.mark.slow
 def test_only_digit_splitting_differs_from_transformers_gguf(tokenizer: Tokenizer, transformers_gguf_tokenizer) -> None:
-    differing = [t for t in CORPUS if tokenizer.encode(t, parse_special=True) != transformers_gguf_tokenizer.encode(t, add_special_tokens=False)]
+    differing = [
+        t
+        for t in CORPUS
+        if tokenizer.encode(t, parse_special=True) != transformers_gguf_tokenizer.encode(t, add_special_tokens=False)
+    ]
     assert all(any(c.isdigit() for c in t) for t in differing), differing
     # The known case: two spaces before a digit are one token ("ĠĠ") when digits split first.
     ours = [tokenizer.id_to_token(i) for i in tokenizer.encode("x  1", parse_special=True)]
@@ -134,11 +138,16 @@ def test_special_tokens(tokenizer: Tokenizer) -> None:
     assert tokenizer.eos_token_ids == [2, 0]  # <|im_end|>, <|endoftext|>
     assert tokenizer.vocab_size == 49152
     # SmolLM2 adds no BOS even when asked for special tokens (tokenizer.ggml.add_bos_token = false).
-    assert tokenizer.encode("hi", add_special_tokens=True, parse_special=True) == tokenizer.encode("hi", parse_special=True)
+    assert tokenizer.encode("hi", add_special_tokens=True, parse_special=True) == tokenizer.encode(
+        "hi", parse_special=True
+    )
     assert tokenizer.decode([1, 2], skip_special_tokens=True) == ""
     # A tokenizer_config asking for BOS whose tokenizer.json does not add it: we add it, once.
     with_bos = Tokenizer(tokenizer.backend, tokenizer_config={"add_bos_token": True, "bos_token": "<|im_start|>"})
-    assert with_bos.encode("hi", add_special_tokens=True, parse_special=True) == [1, *tokenizer.encode("hi", parse_special=True)]
+    assert with_bos.encode("hi", add_special_tokens=True, parse_special=True) == [
+        1,
+        *tokenizer.encode("hi", parse_special=True),
+    ]
     assert with_bos.encode("hi", parse_special=True) == tokenizer.encode("hi", parse_special=True)
 
 
@@ -193,7 +202,7 @@ FEATURE_TEMPLATE = """
 def test_template_environment_matches_transformers(tokenizer: Tokenizer, transformers_gguf_tokenizer) -> None:
     messages = [
         {"role": "system", "content": "skipped"},
-        {"role": "user", "content": "<b>html & \"quotes\"</b> 日本"},
+        {"role": "user", "content": '<b>html & "quotes"</b> 日本'},
         {"role": "assistant", "content": "ok", "tool_calls": None},
         {"role": "user", "content": "more", "reasoning": "hmm"},
     ]
@@ -248,7 +257,9 @@ STREAMS = [
 
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
 @pytest.mark.parametrize("text", STREAMS)
-def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text: str, skip_special_tokens: bool) -> None:
+def test_incremental_detokenizer_one_token_at_a_time(
+    tokenizer: Tokenizer, text: str, skip_special_tokens: bool
+) -> None:
     ids = tokenizer.encode(text, parse_special=True)
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     deltas = [detok.push(i) for i in ids]
@@ -324,8 +335,13 @@ def test_tiny_gguf_add_bos_token(tmp_path: Path) -> None:
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     for text in ["the thing", "<|im_start|>the", ""]:
         # BOS exactly once, and only when special tokens are asked for.
-        assert ours.encode(text, add_special_tokens=True, parse_special=True) == [1, *ours.encode(text, parse_special=True)]
-        assert ours.encode(text, add_special_tokens=True, parse_special=True) == theirs.encode(text, add_special_tokens=True)
+        assert ours.encode(text, add_special_tokens=True, parse_special=True) == [
+            1,
+            *ours.encode(text, parse_special=True),
+        ]
+        assert ours.encode(text, add_special_tokens=True, parse_special=True) == theirs.encode(
+            text, add_special_tokens=True
+        )
         assert ours.encode(text, parse_special=True) == theirs.encode(text, add_special_tokens=False)
 
 

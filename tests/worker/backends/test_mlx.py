@@ -4,6 +4,7 @@ Tolerances (float32 logits, max abs difference): 1e-4 on the tiny random models 
 1e-3 on SmolLM2-135M (measured ~2e-4). Engine-level behaviours run on both backends through the
 ``backend`` fixture; greedy float32 tokens must be equal across backends.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -15,17 +16,17 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
+from helpers.engine import greedy, prompt_ids, run
+
 from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
 from muxworker.transport.errors import CheckpointRejected, SessionNotFound
-from muxworker.worker.backends.torch import cache as torch_cache
+from muxworker.worker.backends.interface import SeqSpan
 from muxworker.worker.backends.mlx import cache as mlx_cache
+from muxworker.worker.backends.mlx.executor import MLXExecutor
+from muxworker.worker.backends.torch import cache as torch_cache
+from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.build import BACKENDS, BackendUnavailableError, get_backend, load_engine, load_model
 from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.backends.torch.executor import TorchExecutor
-from muxworker.worker.backends.mlx.executor import MLXExecutor
-from muxworker.worker.backends.interface import SeqSpan
-
-from test_engine import greedy, prompt_ids, run
 
 ARCHS = ["llama", "llama3", "qwen2", "mistral"]
 TINY_ATOL = 1e-4
@@ -214,7 +215,11 @@ def test_executor_interface_mirrors_torch(tiny_mistral_dir):
         span(ex, 1, 0, ids)
     # The same logical rows (computed by each backend, so equal up to rounding).
     for a, b in zip(m.export_layers(1, 40, 40), t.export_layers(1, 40, 40)):
-        assert (a.start, a.keys.shape, a.keys.dtype) == (b.start, b.keys.shape, b.keys.dtype) == (24, (16, 2, 16), np.float32)  # the W rows retained() claims
+        assert (
+            (a.start, a.keys.shape, a.keys.dtype)
+            == (b.start, b.keys.shape, b.keys.dtype)
+            == (24, (16, 2, 16), np.float32)
+        )  # the W rows retained() claims
         assert np.allclose(a.keys, b.keys, atol=1e-5) and np.allclose(a.values, b.values, atol=1e-5)
 
 
@@ -295,8 +300,11 @@ def test_speculative_greedy_equals_plain_greedy(tiny_model_factory, backend):
     outs = []
     for n_draft, d in ((0, None), (3, draft)):
         eng = load_engine(
-            target, EngineConfig(max_session_tokens=256, n_draft=n_draft, prefill_chunk_tokens=8),
-            backend=backend, draft=d, progress=None,
+            target,
+            EngineConfig(max_session_tokens=256, n_draft=n_draft, prefill_chunk_tokens=8),
+            backend=backend,
+            draft=d,
+            progress=None,
         )
         for i in range(3):
             eng.open_session(f"s{i}")
@@ -447,11 +455,14 @@ async def test_worker_subprocess_serves_mlx_and_takes_torch_checkpoints(tiny_mis
 
     prompt = prompt_ids(30, 16)
     with trio.fail_after(120):  # a hang guard, not a timing assertion
-        async with spawn_multiplexed_worker(
-            default_worker_command(tiny_mistral_dir, backend="torch", max_session_tokens=256)
-        ) as t, spawn_multiplexed_worker(
-            default_worker_command(tiny_mistral_dir, backend="mlx", max_session_tokens=256)
-        ) as m:
+        async with (
+            spawn_multiplexed_worker(
+                default_worker_command(tiny_mistral_dir, backend="torch", max_session_tokens=256)
+            ) as t,
+            spawn_multiplexed_worker(
+                default_worker_command(tiny_mistral_dir, backend="mlx", max_session_tokens=256)
+            ) as m,
+        ):
             assert (t.info.backend, m.info.backend) == ("torch", "mlx")
             assert (m.info.device, m.info.dtype) == ("cpu", "float32")
             results = {}
@@ -492,7 +503,9 @@ def test_smollm2_greedy_chats_equal_torch():
         eng = make(None, b, max_session_tokens=1024, max_sessions=len(CHATS))
         for i, messages in enumerate(CHATS):
             eng.open_session(f"c{i}")
-            ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True), parse_special=True)
+            ids = eng.tokenizer.encode(
+                eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True), parse_special=True
+            )
             eng.submit(i + 1, f"c{i}", ids, greedy(24))
         res = run(eng)
         outs[b] = [res[i + 1][1]["generated_token_ids"] for i in range(len(CHATS))]

@@ -1,4 +1,5 @@
 """Speculative decoding with a draft model: exactness, the target's distribution, rollback, checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -11,19 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.engine import greedy, prompt_ids, run
 
 from muxworker.transport.checkpoint import CheckpointRetentionError, CPUCheckpoint
 from muxworker.transport.errors import CheckpointRejected, InvalidArgument, SessionNotFound
-from muxworker.worker.build import load_engine, load_model
-from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.models.args import ModelArgs
-from muxworker.worker.engine import Engine
-from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.backends.torch.model import Transformer
+from muxworker.worker.build import load_engine, load_model
+from muxworker.worker.engine import Engine
+from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams, processed_probs, speculative_accept
-
-from test_engine import greedy, prompt_ids, run
+from muxworker.worker.models.args import ModelArgs
 
 REPO = Path(__file__).resolve().parents[2]
 N_DRAFT = 4
@@ -38,8 +38,15 @@ def make(model_dir, draft=None, n_draft=N_DRAFT, **cfg):
 def make_draft(src: Path, out: Path, layers: int) -> Path:
     """The real script, as a user runs it."""
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_draft.py"), "--model", str(src), "--layers", str(layers),
-         str(out)],
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_draft.py"),
+            "--model",
+            str(src),
+            "--layers",
+            str(layers),
+            str(out),
+        ],
         check=True,
         capture_output=True,
     )
@@ -264,7 +271,7 @@ def test_sampled_tokens_follow_the_target_distribution_in_the_engine(llama, draf
             else:
                 eng.reset_session(sid)
             eng.submit(wave * 8 + i + 1, sid, prompt, SamplingParams(seed=wave * 8 + i, **params))
-        for rid, (_, res) in run(eng).items():
+        for _, res in run(eng).values():
             t = res["generated_token_ids"]
             counts[t[0], t[1]] += 1
             proposed += res["draft_proposed_tokens"]
@@ -340,7 +347,8 @@ def same_checkpoint(a: CPUCheckpoint, b: CPUCheckpoint) -> bool:
         and sorted(a.draft) == sorted(b.draft)
         and starts(a) == starts(b)
         and all(
-            x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(arrays(a), arrays(b))
+            x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+            for x, y in zip(arrays(a), arrays(b))
         )
     )
 
@@ -473,8 +481,9 @@ def test_sliding_window_draft_needs_spare_ring_rows(mistral):
 
 def test_worker_process_runs_a_draft(llama, drafts, tmp_path):
     """The real worker with --draft/--n_draft: same tokens as the in-process engine, counts reported."""
-    from muxworker.transport.framing import payload_array
     from test_server import RawWorker, _args, _generate
+
+    from muxworker.transport.framing import payload_array
 
     draft = drafts["llama", "early-exit"]
     prompt = prompt_ids(15, 95)
@@ -512,7 +521,9 @@ def test_smollm2_early_exit_draft_greedy_matches(tmp_path):
     ]
     accepted = 0
     for i, messages in enumerate(chats):
-        ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True), parse_special=True)
+        ids = eng.tokenizer.encode(
+            eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True), parse_special=True
+        )
         for e in (eng, plain):
             e.open_session(f"c{i}")
             e.submit(i + 1, f"c{i}", ids, greedy(40))
