@@ -27,10 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import trio
 
-from muxworker.transport.errors import InvalidArgument
-from muxworker.transport.schema import MAX_SESSION_ID_BYTES
-
-from .checkpoint import (
+from muxworker.transport.checkpoint import (
     DEFAULT_MAX_BYTES,
     CheckpointCorrupt,
     CheckpointError,
@@ -42,10 +39,11 @@ from .checkpoint import (
     CPUCheckpoint,
     IdentityInputs,
     checkpoint_identity_inputs,
-    os_failure,
-    read_checkpoint_file,
-    write_checkpoint_file,
 )
+from muxworker.transport.checkpoint.errors import os_failure
+from muxworker.transport.checkpoint.file import read_checkpoint_file, write_checkpoint_file
+from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
     from .params import WorkerInfo

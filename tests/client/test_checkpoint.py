@@ -13,14 +13,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import muxworker.client.checkpoint as ckfile
+import muxworker.transport.checkpoint.file as ckfile
 from muxworker.client.checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointIncompatible,
     CheckpointNotFound,
+    CheckpointReadError,
+    CheckpointRetentionError,
     CheckpointTooLarge,
     CheckpointUnsafePath,
+    CheckpointWriteError,
     CPUCheckpoint,
     LayerState,
     checkpoint_identity,
@@ -28,7 +31,7 @@ from muxworker.client.checkpoint import (
     save_checkpoint,
 )
 from muxworker.native import crc32c
-from muxworker.transport.errors import CheckpointRejected, InvalidArgument, MuxError
+from muxworker.transport.errors import ERROR_CLASSES, CheckpointRejected, InvalidArgument, MuxError
 
 
 def make_checkpoint(*, position=12, windows=(None, 5), dtype="bfloat16", kv=2, d=4, draft=True,
@@ -149,7 +152,7 @@ def test_save_replaces_atomically_and_previous_survives_a_failed_rename(saved, m
         raise OSError("simulated crash before rename")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(ckfile.CheckpointWriteError, match="simulated"):
+    with pytest.raises(CheckpointWriteError, match="simulated"):
         save_checkpoint(ckpt, path)
     monkeypatch.undo()
     assert_same(other, load_checkpoint(path))
@@ -167,14 +170,18 @@ def test_missing_file_is_not_found(tmp_path):
         load_checkpoint(tmp_path / "nope.mxckpt")
 
 
-def test_error_classes_share_one_base_and_wire_code():
+def test_file_errors_share_one_root_that_is_not_the_workers_rejection():
+    # A missing or damaged file is not "the worker rejected this checkpoint": `except
+    # CheckpointRejected` around a restore must not catch it, and it never travels on the wire.
     for cls in (CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointTooLarge,
-                CheckpointUnsafePath, ckfile.CheckpointRetentionError, ckfile.CheckpointWriteError,
-                ckfile.CheckpointReadError):
-        assert issubclass(cls, CheckpointError)
-        assert issubclass(cls, CheckpointRejected) and issubclass(cls, MuxError)
-        assert cls.code == "checkpoint_rejected"
+                CheckpointUnsafePath, CheckpointWriteError, CheckpointReadError):
+        assert issubclass(cls, CheckpointError) and issubclass(cls, MuxError)
+        assert not issubclass(cls, CheckpointRejected)
+        assert cls.code == "checkpoint_error" and cls.code not in ERROR_CLASSES
         assert cls.__doc__ and "\n" not in cls.__doc__.strip()
+    # A checkpoint whose contents are refused is the worker's wire error, on either end.
+    assert issubclass(CheckpointRetentionError, CheckpointRejected)
+    assert not issubclass(CheckpointRetentionError, CheckpointError)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -330,10 +330,12 @@ def test_non_contiguous_or_mistyped_layer_rows_are_rejected():
 
 
 def test_checkpoint_errors_travel_as_checkpoint_rejected():
-    for cls in (CheckpointError, CheckpointMalformed, CheckpointRetentionError):
+    for cls in (CheckpointMalformed, CheckpointRetentionError):
         assert issubclass(cls, CheckpointRejected) and issubclass(cls, MuxError)
         assert cls.code == "checkpoint_rejected"
         assert type(error_from_wire(cls.code, "x")) is CheckpointRejected
+    # The file layer's root is a different family: no file error is a worker's rejection.
+    assert not issubclass(CheckpointError, CheckpointRejected) and issubclass(CheckpointError, MuxError)
 
 
 # ---------------------------------------------------------------------------------------------
