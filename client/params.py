@@ -1,20 +1,23 @@
-"""What a generation asks for (``GenerationParams``) and what it returns (``GenerationResult``)."""
+"""What a generation asks for (``GenerationParams``) and the client's view of the replies.
+
+``GenerationResult``, ``RESULT_FIELDS``, ``WorkerInfo`` and ``ModelInfo`` are defined once in
+:mod:`muxworker.transport.messages`, the contract both ends share, and re-exported here."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.messages import RESULT_FIELDS, GenerationResult, ModelInfo, WorkerInfo
 from muxworker.transport.sampling import SamplingFields
 
 _D = SamplingFields()  # the one definition of every sampling default (transport/sampling.py)
 
-__all__ = ["GenerationParams", "GenerationResult", "ChatPrompt", "WorkerInfo", "ModelInfo"]
+__all__ = ["GenerationParams", "GenerationResult", "RESULT_FIELDS", "ChatPrompt", "WorkerInfo", "ModelInfo"]
 
 
 @dataclass
@@ -99,49 +102,6 @@ def _float(name: str, value: Any) -> float:
     return number
 
 
-@dataclass(frozen=True)
-class GenerationResult:
-    """How a generation ended, as the engine reports it."""
-
-    finish_reason: str  # "stop", "length" or "cancelled"
-    prompt_tokens: int
-    reused_prompt_tokens: int  # prompt tokens whose KV the session already held
-    prefilled_prompt_tokens: int  # prompt tokens computed for this request
-    completion_tokens: int
-    generated_token_ids: list[int]
-    prefill_time_s: float
-    decode_time_s: float
-    # Generated tokens the session's history kept: all of them, except after a stop-string cut
-    # (only those whose text is visible) or a cancel during prefill (none).
-    committed_tokens: int = 0
-    draft_proposed_tokens: int = 0  # speculative decoding: tokens the draft proposed
-    draft_accepted_tokens: int = 0  # of those, tokens the target accepted
-
-    @classmethod
-    def cancelled_locally(cls) -> GenerationResult:
-        """The result of a request cancelled before it was sent: the worker never saw it."""
-        return cls("cancelled", 0, 0, 0, 0, [], 0.0, 0.0)
-
-    @classmethod
-    def from_wire(cls, result: dict, generated_token_ids: list[int]) -> GenerationResult:
-        """From a ``done`` frame's result map: every field the worker sends (RESULT_FIELDS)."""
-        missing = [name for name in RESULT_FIELDS if name not in result]
-        if missing:
-            raise ValueError(f"the result lacks {', '.join(missing)}")
-        kw: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name != "generated_token_ids":
-                kw[f.name] = _COERCE[str(f.type)](result[f.name])
-        return cls(generated_token_ids=generated_token_ids, **kw)
-
-
-_COERCE = {"str": str, "int": int, "float": float}
-
-# Every field of a ``done`` result, in GenerationResult's order; the engine builds exactly these
-# (a test checks both ends against this list).
-RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationResult))
-
-
 class ChatPrompt(tuple):
     """``(text, token_ids)`` of a rendered chat template; unpacks like a pair."""
 
@@ -157,56 +117,3 @@ class ChatPrompt(tuple):
     @property
     def token_ids(self) -> list[int]:
         return self[1]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    architecture: str
-    vocab_size: int
-    context_length: int
-    has_chat_template: bool
-    path: str | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """The worker's hello: protocol version, model, backend, device, dtype and engine limits."""
-
-    protocol: tuple[int, int]
-    model: ModelInfo
-    backend: str
-    device: str
-    dtype: str
-    limits: dict[str, Any] = field(default_factory=dict)
-    readiness: str = "ready"  # at the hello; a 1.0 worker does not say, and sends its hello when ready
-
-    @classmethod
-    def from_hello(cls, hello: dict[str, Any]) -> WorkerInfo:
-        m = hello["model"]
-        try:
-            model = ModelInfo(
-                name=str(m["name"]),
-                architecture=str(m["architecture"]),
-                vocab_size=int(m["vocab_size"]),
-                context_length=int(m["context_length"]),
-                has_chat_template=bool(m["has_chat_template"]),
-                path=m.get("path"),
-                bos_token_id=m.get("bos_token_id"),
-                eos_token_ids=tuple(m.get("eos_token_ids") or ()),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            from muxworker.transport.errors import ProtocolError
-
-            raise ProtocolError(f"hello.model is malformed: {exc!r}") from None
-        return cls(
-            protocol=(hello["protocol"][0], hello["protocol"][1]),
-            model=model,
-            backend=hello["backend"],
-            device=hello["device"],
-            dtype=hello["dtype"],
-            limits=dict(hello["limits"]),
-            readiness=hello.get("readiness", "ready"),
-        )

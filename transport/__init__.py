@@ -4,7 +4,9 @@ A frame is a fixed little-endian header, a msgpack control map and zero or more 
 (docs/PROTOCOL.md). The worker uses the blocking fd end (:class:`FdFrameReader`,
 :class:`FdFrameWriter`), the client the trio end (:class:`TrioFrameReader`,
 :class:`TrioFrameWriter`); :func:`validate` checks every message kind against one table, and
-:mod:`.errors` holds the error class for each wire error code.
+:mod:`.errors` holds the error class for each wire error code. :mod:`.messages` holds the
+typed contracts (generate request, result, hello) that the schema is checked against, and
+:mod:`.checkpoint` the checkpoint's data model, wire codec, file format and identity.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from .framing import (
     encode_frame,
     payload_array,
 )
+from .messages import RESULT_FIELDS, GenerateRequest, GenerationResult, ModelInfo, WorkerInfo
 from .schema import (
     MAX_REQUEST_ID,
     MAX_SESSION_ID_BYTES,
@@ -91,6 +94,12 @@ __all__ = [
     # trio end
     "TrioFrameReader",
     "TrioFrameWriter",
+    # typed contracts
+    "GenerateRequest",
+    "GenerationResult",
+    "RESULT_FIELDS",
+    "ModelInfo",
+    "WorkerInfo",
     # schema
     "MESSAGES",
     "MAX_REQUEST_ID",

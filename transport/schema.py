@@ -359,7 +359,8 @@ MESSAGES: dict[str, MessageSpec] = {
         "the longest prefix of them that the session's cache still retains is reused and the rest "
         "prefilled. Replies: token*, then done (or error).",
         {"session_id": SESSION_ID, "prompt": ListOf(SEGMENT)},
-        # Exactly the fields of transport/sampling.py's SamplingFields (a test checks it); their
+        # Exactly the fields of transport/sampling.py's SamplingFields, in order; the required ones
+        # are messages.GenerateRequest's (tests/transport/test_messages.py checks both). Their
         # ranges are checked there, by the worker.
         {
             "max_new_tokens": Int(-1, _I64_MAX),  # -1: the rest of the session's context

@@ -1,0 +1,68 @@
+"""The typed contracts of transport/messages.py agree with the schema table, field for field."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from muxworker.transport.framing import PROTOCOL_VERSION
+from muxworker.transport.messages import RESULT_FIELDS, GenerateRequest, GenerationResult, ModelInfo, WorkerInfo
+from muxworker.transport.sampling import SAMPLING_FIELD_NAMES, SamplingFields
+from muxworker.transport.schema import MESSAGES, hello_control, validate
+
+
+def _names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_generate_entry_is_the_request_dataclass_and_the_sampling_fields():
+    spec = MESSAGES["generate"]
+    request_fields = _names(GenerateRequest) - {"sampling"}
+    assert set(spec.required) == {"id"} | request_fields
+    assert list(spec.optional) == list(SAMPLING_FIELD_NAMES)  # same fields, same order
+    assert SAMPLING_FIELD_NAMES == tuple(f.name for f in dataclasses.fields(SamplingFields))
+
+
+def test_a_generate_request_builds_a_valid_control_map():
+    request = GenerateRequest("s", [{"text": "hi"}], {"temperature": 0.5, "stop": ["\n"]})
+    control = {"kind": "generate", "id": 7, **request.fields()}
+    validate(control, sender="client")
+    params = request.sampling_fields()
+    assert params.temperature == 0.5 and params.stop == ["\n"]
+    assert params.max_new_tokens == SamplingFields().max_new_tokens  # the default, defined once
+    with pytest.raises(ValueError, match="not sampling fields"):
+        GenerateRequest("s", [], {"temprature": 0.5})
+
+
+def test_hello_entry_is_the_worker_info_dataclass():
+    spec = MESSAGES["hello"]
+    assert set(spec.required) | set(spec.optional) == _names(WorkerInfo)
+    assert set(spec.optional) == {f.name for f in dataclasses.fields(WorkerInfo) if f.default is not dataclasses.MISSING}
+
+
+def test_a_hello_round_trips_through_worker_info():
+    model = {"name": "m", "architecture": "LlamaForCausalLM", "vocab_size": 10, "context_length": 64,
+             "has_chat_template": False, "path": "/m", "bos_token_id": 1, "eos_token_ids": [2], "draft": None}
+    hello = hello_control(model=model, backend="torch", device="cpu", dtype="float32",
+                          limits={"max_sessions": 4}, readiness="ready")
+    validate(hello, sender="worker")
+    info = WorkerInfo.from_hello(hello)
+    assert info.protocol == PROTOCOL_VERSION and info.limits == {"max_sessions": 4}
+    assert info.model == ModelInfo("m", "LlamaForCausalLM", 10, 64, False, "/m", 1, (2,))
+
+
+def test_result_fields_are_the_result_dataclass():
+    assert RESULT_FIELDS == tuple(f.name for f in dataclasses.fields(GenerationResult))
+    wire = {name: 0 for name in RESULT_FIELDS} | {"finish_reason": "stop", "prefill_time_s": 0.5}
+    result = GenerationResult.from_wire(wire, [1, 2])
+    assert result.generated_token_ids == [1, 2] and result.prefill_time_s == 0.5
+    with pytest.raises(ValueError, match="draft_accepted_tokens"):
+        GenerationResult.from_wire({k: v for k, v in wire.items() if k != "draft_accepted_tokens"}, [])
+
+
+def test_the_client_reexports_the_same_classes():
+    import muxworker.client as client
+    from muxworker.client import params
+
+    assert client.GenerationResult is GenerationResult and client.WorkerInfo is WorkerInfo
+    assert client.ModelInfo is ModelInfo and params.RESULT_FIELDS is RESULT_FIELDS

@@ -1,0 +1,151 @@
+"""The typed contracts of the wire, defined once for both ends.
+
+:mod:`.schema` checks the *shape* of every control map (types, ranges, unknown keys); the
+dataclasses here say what the main messages *mean* to a program, and tests/transport checks that
+each one names exactly the fields its schema entry has:
+
+- :class:`GenerateRequest`: the ``generate`` request. Its sampling fields are
+  :class:`~.sampling.SamplingFields` (names, defaults and ranges defined there, once); the worker's
+  ``SamplingParams`` is that class and the client's ``GenerationParams`` takes its defaults from it.
+- :class:`GenerationResult`: the ``result`` map of a ``done`` reply; :data:`RESULT_FIELDS` lists
+  every field the worker's engine sends (a worker test checks the engine against it).
+- :class:`WorkerInfo` and :class:`ModelInfo`: the worker's ``hello`` (its protocol version, model,
+  backend, device, dtype, engine limits and readiness).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .errors import ProtocolError
+from .sampling import SAMPLING_FIELD_NAMES, SamplingFields
+
+__all__ = [
+    "GenerateRequest",
+    "GenerationResult",
+    "RESULT_FIELDS",
+    "ModelInfo",
+    "WorkerInfo",
+    "SamplingFields",
+]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A ``generate`` request: the prompt segments that are the session's whole next context, and the
+    sampling fields the caller set. Fields left out take :class:`SamplingFields`' defaults in the
+    worker, which validates their ranges (:meth:`SamplingFields.validate`)."""
+
+    session_id: str
+    prompt: Sequence[Mapping[str, Any]]  # segments: {"text": str, "special"?: bool} or {"tokens": ref}
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # a subset of SamplingFields' fields
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sampling) - set(SAMPLING_FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"not sampling fields: {sorted(unknown)}; expected some of {list(SAMPLING_FIELD_NAMES)}")
+
+    def fields(self) -> dict[str, Any]:
+        """The request's fields of the control map (``kind`` and ``id`` are the connection's)."""
+        return {"session_id": self.session_id, "prompt": list(self.prompt), **self.sampling}
+
+    def sampling_fields(self) -> SamplingFields:
+        """The sampling parameters as the worker will apply them (defaults filled in, validated)."""
+        return SamplingFields.from_wire(dict(self.sampling))
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How a generation ended, as the engine reports it."""
+
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    reused_prompt_tokens: int  # prompt tokens whose KV the session already held
+    prefilled_prompt_tokens: int  # prompt tokens computed for this request
+    completion_tokens: int
+    generated_token_ids: list[int]
+    prefill_time_s: float
+    decode_time_s: float
+    # Generated tokens the session's history kept: all of them, except after a stop-string cut
+    # (only those whose text is visible) or a cancel during prefill (none).
+    committed_tokens: int = 0
+    draft_proposed_tokens: int = 0  # speculative decoding: tokens the draft proposed
+    draft_accepted_tokens: int = 0  # of those, tokens the target accepted
+
+    @classmethod
+    def cancelled_locally(cls) -> GenerationResult:
+        """The result of a request cancelled before it was sent: the worker never saw it."""
+        return cls("cancelled", 0, 0, 0, 0, [], 0.0, 0.0)
+
+    @classmethod
+    def from_wire(cls, result: dict, generated_token_ids: list[int]) -> GenerationResult:
+        """From a ``done`` frame's result map: every field the worker sends (RESULT_FIELDS)."""
+        missing = [name for name in RESULT_FIELDS if name not in result]
+        if missing:
+            raise ValueError(f"the result lacks {', '.join(missing)}")
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name != "generated_token_ids":
+                kw[f.name] = _COERCE[str(f.type)](result[f.name])
+        return cls(generated_token_ids=generated_token_ids, **kw)
+
+
+_COERCE = {"str": str, "int": int, "float": float}
+
+#: Every field of a ``done`` result, in GenerationResult's order; the engine builds exactly these
+#: (a test checks both ends against this list).
+RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationResult))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The ``model`` map of the hello (the worker may send more keys; these are the ones read)."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    context_length: int
+    has_chat_template: bool
+    path: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The worker's hello: protocol version, model, backend, device, dtype and engine limits."""
+
+    protocol: tuple[int, int]
+    model: ModelInfo
+    backend: str
+    device: str
+    dtype: str
+    limits: dict[str, Any] = field(default_factory=dict)
+    readiness: str = "ready"  # at the hello; a 1.0 worker does not say, and sends its hello when ready
+
+    @classmethod
+    def from_hello(cls, hello: dict[str, Any]) -> WorkerInfo:
+        m = hello["model"]
+        try:
+            model = ModelInfo(
+                name=str(m["name"]),
+                architecture=str(m["architecture"]),
+                vocab_size=int(m["vocab_size"]),
+                context_length=int(m["context_length"]),
+                has_chat_template=bool(m["has_chat_template"]),
+                path=m.get("path"),
+                bos_token_id=m.get("bos_token_id"),
+                eos_token_ids=tuple(m.get("eos_token_ids") or ()),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"hello.model is malformed: {exc!r}") from None
+        return cls(
+            protocol=(hello["protocol"][0], hello["protocol"][1]),
+            model=model,
+            backend=hello["backend"],
+            device=hello["device"],
+            dtype=hello["dtype"],
+            limits=dict(hello["limits"]),
+            readiness=hello.get("readiness", "ready"),
+        )
