@@ -25,7 +25,7 @@ from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams, processed_probs, speculative_accept
 from muxworker.worker.models.args import ModelArgs
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 N_DRAFT = 4
 
 
