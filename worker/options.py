@@ -7,8 +7,9 @@ the command. Parsing imports no torch, so a usage error is reported at once.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from muxworker.transport.fdio import FDS_ENV
 from muxworker.worker.engine.config import EngineConfig
@@ -56,8 +57,85 @@ def _check_torch_device(text: str) -> None:
         raise UsageError(f"--device for --backend torch must be cpu, cuda or cuda:N, got {text!r}")
 
 
+# Engine limits and knobs: one flag per EngineConfig field, with EngineConfig's own default.
+_ENGINE_FLAGS: dict[str, tuple[Callable[[str], int], str]] = {
+    "max_sessions": (_positive_int, "open sessions at once; each owns one KV cache slot"),
+    "max_session_tokens": (
+        _positive_int,
+        "tokens one session holds, prompt plus generated; at most the model's context length",
+    ),
+    "max_decode_sequences": (_positive_int, "sequences decoded together in one forward pass"),
+    "max_inflight_requests": (_positive_int, "generations accepted at once; more are refused with capacity_exhausted"),
+    "prefill_chunk_tokens": (
+        _positive_int,
+        "prompt tokens prefilled per forward pass, so long prompts do not stall decoding",
+    ),
+    "prefix_cache_entries": (
+        _nonnegative_int,
+        "LRU entries of shared prompt prefixes, each a preallocated KV slot; new sessions whose "
+        "prompt starts with a cached prefix prefill only the rest",
+    ),
+    "n_draft": (_nonnegative_int, "tokens the draft proposes per session per step with --draft (0: no draft)"),
+    "seed": (_nonnegative_int, "seed for requests that sample without their own seed (none: a fixed internal seed)"),
+}
+
+# Everything else, as (flags, argparse keywords): what to serve, then how the process runs.
+_Flags = list[tuple[tuple[str, ...], dict[str, Any]]]
+_MODEL_FLAGS: _Flags = [
+    (
+        ("--model",),
+        dict(
+            metavar="PATH",
+            help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file, "
+            "converted once into the cache (default: the bundled SmolLM2-135M-Instruct GGUF)",
+        ),
+    ),
+    (("--backend",), dict(default="torch", help="inference backend: torch or mlx (default: %(default)s)")),
+    (("--device",), dict(default="cpu", help="torch: cpu, cuda or cuda:N; mlx: cpu or gpu (default: %(default)s)")),
+    (
+        ("--dtype",),
+        dict(
+            choices=DTYPE_NAMES,
+            help="weights, activations and KV cache dtype (default: float32 on cpu, bfloat16 on cuda; "
+            "float16 needs cuda)",
+        ),
+    ),
+]
+_PROCESS_FLAGS: _Flags = [
+    (
+        ("--threads",),
+        dict(
+            type=_positive_int,
+            metavar="N",
+            help="CPU threads for torch (default: torch's own choice, one per core); on a shared machine "
+            "fewer threads than cores avoid oversubscription",
+        ),
+    ),
+    (
+        ("--draft",),
+        dict(metavar="PATH", help="draft model for speculative decoding (same tokenizer as --model); needs --n_draft"),
+    ),
+    (
+        ("--heartbeat_ms", "--heartbeat-ms"),
+        dict(
+            type=_nonnegative_int,
+            metavar="N",
+            help="protocol 1.1 liveness, passed by the client: write a heartbeat frame when nothing else "
+            "was written for N ms while busy (0: none); also adds readiness to the hello",
+        ),
+    ),
+    (
+        ("--control-fd",),
+        dict(type=int, metavar="N", help=f"inherited fd the worker reads requests from (or {FDS_ENV}=N,M)"),
+    ),
+    (
+        ("--reply-fd",),
+        dict(type=int, metavar="M", help=f"inherited fd the worker writes replies to (or {FDS_ENV}=N,M)"),
+    ),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    defaults = EngineConfig()
     p = _Parser(
         prog="python -m muxworker.worker",
         description=(
@@ -66,125 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
-    p.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file, "
-        "converted once into the cache (default: the bundled SmolLM2-135M-Instruct GGUF)",
-    )
-    p.add_argument(
-        "--backend",
-        default="torch",
-        help="inference backend: torch or mlx (default: %(default)s)",
-    )
-    p.add_argument("--device", default="cpu", help="torch: cpu, cuda or cuda:N; mlx: cpu or gpu (default: %(default)s)")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPE_NAMES,
-        default=None,
-        help="weights, activations and KV cache dtype (default: float32 on cpu, bfloat16 on cuda; float16 needs cuda)",
-    )
-    p.add_argument(
-        "--max_sessions",
-        "--max-sessions",
-        type=_positive_int,
-        metavar="N",
-        default=defaults.max_sessions,
-        help="open sessions at once; each owns one KV cache slot (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max_session_tokens",
-        "--max-session-tokens",
-        type=_positive_int,
-        metavar="N",
-        default=defaults.max_session_tokens,
-        help="tokens one session holds, prompt plus generated; at most the model's context length "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--max_decode_sequences",
-        "--max-decode-sequences",
-        type=_positive_int,
-        metavar="N",
-        default=defaults.max_decode_sequences,
-        help="sequences decoded together in one forward pass (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max_inflight_requests",
-        "--max-inflight-requests",
-        type=_positive_int,
-        metavar="N",
-        default=defaults.max_inflight_requests,
-        help="generations accepted at once; more are refused with capacity_exhausted (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prefill_chunk_tokens",
-        "--prefill-chunk-tokens",
-        type=_positive_int,
-        metavar="N",
-        default=defaults.prefill_chunk_tokens,
-        help="prompt tokens prefilled per forward pass, so long prompts do not stall decoding (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prefix_cache_entries",
-        "--prefix-cache-entries",
-        type=_nonnegative_int,
-        metavar="N",
-        default=0,
-        help="LRU entries of shared prompt prefixes, each a preallocated KV slot; new sessions whose "
-        "prompt starts with a cached prefix prefill only the rest (default: %(default)s)",
-    )
-    p.add_argument(
-        "--threads",
-        type=_positive_int,
-        metavar="N",
-        default=None,
-        help="CPU threads for torch (default: torch's own choice, one per core); on a shared machine "
-        "fewer threads than cores avoid oversubscription",
-    )
-    p.add_argument(
-        "--draft",
-        metavar="PATH",
-        default=None,
-        help="draft model for speculative decoding (same tokenizer as --model); needs --n_draft",
-    )
-    p.add_argument(
-        "--n_draft",
-        "--n-draft",
-        type=_nonnegative_int,
-        metavar="N",
-        default=0,
-        help="tokens the draft proposes per session per step with --draft (default: %(default)s, no draft)",
-    )
-    p.add_argument(
-        "--seed",
-        type=_nonnegative_int,
-        metavar="N",
-        default=None,
-        help="seed for requests that sample without their own seed (default: a fixed internal seed)",
-    )
-    p.add_argument(
-        "--heartbeat_ms",
-        "--heartbeat-ms",
-        type=_nonnegative_int,
-        metavar="N",
-        default=None,
-        help="protocol 1.1 liveness, passed by the client: write a heartbeat frame when nothing else "
-        "was written for N ms while busy (0: none); also adds readiness to the hello",
-    )
-    p.add_argument(
-        "--control-fd",
-        type=int,
-        metavar="N",
-        help=f"inherited fd the worker reads requests from (or {FDS_ENV}=N,M)",
-    )
-    p.add_argument(
-        "--reply-fd",
-        type=int,
-        metavar="M",
-        help=f"inherited fd the worker writes replies to (or {FDS_ENV}=N,M)",
-    )
+    for flags, kwargs in _MODEL_FLAGS:
+        p.add_argument(*flags, **kwargs)
+    defaults = EngineConfig()
+    for name, (kind, help_text) in _ENGINE_FLAGS.items():
+        dashed = name.replace("_", "-")
+        aliases = (f"--{name}", f"--{dashed}") if dashed != name else (f"--{name}",)
+        p.add_argument(
+            *aliases,
+            type=kind,
+            metavar="N",
+            default=getattr(defaults, name),
+            help=help_text + " (default: %(default)s)",
+        )
+    for flags, kwargs in _PROCESS_FLAGS:
+        p.add_argument(*flags, **kwargs)
     return p
 
 
@@ -219,16 +193,7 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
     if ns.backend == "torch" and ns.device == "cpu" and dtype == "float16":
         raise UsageError("--dtype float16 is not supported on --device cpu; use float32 or bfloat16")
     try:
-        config = EngineConfig(
-            max_sessions=ns.max_sessions,
-            max_session_tokens=ns.max_session_tokens,
-            max_decode_sequences=ns.max_decode_sequences,
-            max_inflight_requests=ns.max_inflight_requests,
-            prefill_chunk_tokens=ns.prefill_chunk_tokens,
-            prefix_cache_entries=ns.prefix_cache_entries,
-            seed=ns.seed,
-            n_draft=ns.n_draft,
-        )
+        config = EngineConfig(**{name: getattr(ns, name) for name in _ENGINE_FLAGS})
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     return WorkerOptions(ns.model, ns.backend, ns.device, dtype, config, ns.draft, ns.threads, ns.heartbeat_ms)
