@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 # The MLX backend: Metal on macOS, the CPU build on Linux (so it is built and tested here too).
 MLX_SPEC ?= $(if $(filter Darwin,$(shell uname -s)),mlx==0.32.4,mlx[cpu]==0.32.4)
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test lint demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,22 @@ setup: $(PY)
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 	$(PY) -c "import muxworker.native, muxworker.client, muxworker.worker, muxworker.transport; print('muxworker installed; native crc32c:', muxworker.native.crc32c_implementation())"
 
-test: $(PY)
+# Lint first (seconds), then the suite.
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+LINTED := worker client transport native scripts tests
+# mypy cannot follow the package-dir mapping of the editable install, so it checks a tree of
+# symlinks laid out as the installed package (build/ is git-ignored).
+TYPECHECK := build/typecheck
+lint: $(PY)
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/muxworker
+	for d in worker client transport native; do ln -s ../../../$$d $(TYPECHECK)/muxworker/$$d; done
+	ln -s ../../../transport/_root/__init__.py $(TYPECHECK)/muxworker/__init__.py
+	cd $(TYPECHECK) && ../../$(PY) -m mypy --config-file ../../pyproject.toml \
+		-p muxworker.worker -p muxworker.client -p muxworker.transport -p muxworker.native
 
 demo: $(PY)
 	$(PY) scripts/demo.py

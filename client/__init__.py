@@ -10,16 +10,19 @@ sessions.
             print(text, end="")
         result = await stream.wait()
 """
+
 from __future__ import annotations
+
+from muxworker.transport.prompt import SpecialText
 
 from .checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointIncompatible,
     CheckpointNotFound,
+    CheckpointReadError,
     CheckpointRetentionError,
     CheckpointTooLarge,
-    CheckpointReadError,
     CheckpointUnsafePath,
     CheckpointWriteError,
     CPUCheckpoint,
@@ -37,12 +40,12 @@ from .errors import (
     CapacityExhausted,
     CheckpointRejected,
     ClientClosedError,
-    OperationCancelled,
     ContextOverflow,
     InternalError,
     InvalidArgument,
     MuxError,
     NotReady,
+    OperationCancelled,
     ProtocolError,
     SessionBusy,
     SessionExists,
@@ -52,8 +55,6 @@ from .errors import (
     WorkerDiedError,
     WorkerStartupError,
 )
-from muxworker.transport.prompt import SpecialText
-
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
 from .runtime import RuntimeStream, SessionRuntime
 from .store import ConfigurationMismatch, SessionStore, StorePermissionError

@@ -1,5 +1,6 @@
 """Checkpoint files and identity for client code: re-exported from :mod:`muxworker.transport.checkpoint`,
 their one home (the data model, wire codec, file format and identity are shared by both ends)."""
+
 from __future__ import annotations
 
 from muxworker.transport.checkpoint import (

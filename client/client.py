@@ -27,13 +27,15 @@ first byte of the request frame is written. From then on a cancel waits for the 
 (so a save never leaves half a result behind); a worker that stops answering ends it through the
 liveness rule.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
 import os
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -360,7 +362,9 @@ class MultiplexedWorkerClient:
         )
         return GenerationStream(connection, request, session_id)
 
-    async def tokenize(self, text: str, *, add_special_tokens: bool = False, parse_special: bool | None = None) -> list[int]:
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool | None = None
+    ) -> list[int]:
         """Token ids of ``text``. Special-token markers in it are parsed only with ``parse_special``
         (default: when ``text`` is a :class:`SpecialText`), as in prompts."""
         if not isinstance(text, str):
@@ -462,7 +466,10 @@ class MultiplexedWorkerClient:
 def _check_session_id(session_id: Any) -> None:
     if not isinstance(session_id, str) or not session_id:
         raise InvalidArgument(f"session id must be a non-empty str, got {session_id!r:.200}")
-    if len(session_id) * 4 > MAX_SESSION_ID_BYTES and len(session_id.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
+    if (
+        len(session_id) * 4 > MAX_SESSION_ID_BYTES
+        and len(session_id.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES
+    ):
         raise InvalidArgument(f"session id must be at most {MAX_SESSION_ID_BYTES} UTF-8 bytes")
 
 
@@ -470,7 +477,6 @@ def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidArgument(f"{name} must be a bool, got {value!r:.200}")
     return bool(value)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,6 +508,7 @@ def _token_array(ids: Any) -> np.ndarray:
 
 def _given_token_count(prompt: Any) -> int:
     """How many token ids ``prompt`` gives directly (text not counted), without looking at each id."""
+
     def count(ids: Any) -> int:
         if isinstance(ids, np.ndarray):
             return len(ids) if ids.ndim == 1 else 0
@@ -652,6 +659,6 @@ def _check_spawn_args(
     ):
         if value is None and optional:
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
             what = "a positive number of seconds" + (" or None" if optional else "")
             raise InvalidArgument(f"{name} must be {what}, got {value!r:.200}")

@@ -20,12 +20,14 @@ streams and a fake worker in tests). Tasks of one connection, started by :meth:`
 Owner: the pending table, the outbox and the connection state belong to this object and are only
 touched from trio tasks of one run (no locks needed beyond the write lock).
 """
+
 from __future__ import annotations
 
 import enum
 import math
 import select
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import trio
 
@@ -95,7 +97,18 @@ class Request:
     """One request in flight: its outgoing frame, its token mailbox and how it ended."""
 
     __slots__ = (
-        "rid", "kind", "expect", "frame", "state", "send", "recv", "settled", "value", "error", "cancel_sent", "launched",
+        "rid",
+        "kind",
+        "expect",
+        "frame",
+        "state",
+        "send",
+        "recv",
+        "settled",
+        "value",
+        "error",
+        "cancel_sent",
+        "launched",
     )
 
     def __init__(self, rid: int, kind: str, expect: frozenset[str], frame: Frame, buffer: int) -> None:
@@ -247,7 +260,7 @@ class Connection:
                 request = item
                 request.state = State.SENT
                 request.launched.set()
-                frame, request.frame = request.frame, None
+                frame, request.frame = item.frame, None
             else:
                 frame = Frame({"kind": "cancel", "id": item})
             try:
@@ -422,7 +435,9 @@ class Connection:
             raise fresh(self._unusable)
         return request.value
 
-    async def call(self, kind: str, fields: dict[str, Any], payloads: Sequence[Any] | None = None, *, expect: str) -> Any:
+    async def call(
+        self, kind: str, fields: dict[str, Any], payloads: Sequence[Any] | None = None, *, expect: str
+    ) -> Any:
         """Send one request and wait for its reply; a caller cancelled before it was sent sends nothing."""
         await trio.lowlevel.checkpoint_if_cancelled()  # an already-cancelled caller queues nothing
         request = self.submit(kind, fields, payloads, expect=expect)

@@ -4,9 +4,10 @@ All derive from :class:`MuxError`. A request error (one class per wire code) end
 only; :class:`WorkerDiedError` means the worker is gone, and every pending and later call raises it;
 :class:`ClientClosedError` means *you* closed the client.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from muxworker.transport.errors import (
     ERROR_CLASSES,

@@ -2,12 +2,14 @@
 
 ``GenerationResult``, ``RESULT_FIELDS``, ``WorkerInfo`` and ``ModelInfo`` are defined once in
 :mod:`muxworker.transport.messages`, the contract both ends share, and re-exported here."""
+
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +54,9 @@ def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
     try:
         session_id = params.session_id
     except AttributeError:
-        raise InvalidArgument(f"generation params need a session_id attribute ({type(params).__name__} has none)") from None
+        raise InvalidArgument(
+            f"generation params need a session_id attribute ({type(params).__name__} has none)"
+        ) from None
     fields: dict[str, Any] = {}
     for name in _INT_FIELDS:
         value = getattr(params, name, None)

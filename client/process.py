@@ -8,6 +8,7 @@ when the connection is lost, through the small :class:`~.connection.Peer` interf
 The child process is always reaped (terminate, then kill after a grace period) in a shielded scope,
 also when the caller is cancelled.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,8 @@ import os
 import subprocess
 import sys
 from collections import deque
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import trio
 

@@ -30,11 +30,13 @@ the worker.
 Ownership: everything here runs in the trio thread; lanes and counters are touched only between
 checkpoints, so they need no locks.
 """
+
 from __future__ import annotations
 
 import enum
 from collections import deque
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -63,7 +65,18 @@ class _State(enum.Enum):
 class _Op:
     """One admitted operation: what it runs, where it stands, and how it ended."""
 
-    __slots__ = ("session_id", "body", "state", "done", "value", "error", "on_settle", "cancel", "scope", "follows_caller")
+    __slots__ = (
+        "session_id",
+        "body",
+        "state",
+        "done",
+        "value",
+        "error",
+        "on_settle",
+        "cancel",
+        "scope",
+        "follows_caller",
+    )
 
     def __init__(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> None:
         self.session_id = session_id
@@ -355,11 +368,17 @@ class SessionRuntime:
         self, session_id: str, position: int | None = None, identity: str | None = None
     ) -> CPUCheckpoint:
         return await self._call(
-            session_id, lambda: self.client.export_checkpoint_to_cpu(session_id, position, identity), follows_caller=True
+            session_id,
+            lambda: self.client.export_checkpoint_to_cpu(session_id, position, identity),
+            follows_caller=True,
         )
 
     async def restore_checkpoint_from_cpu(
-        self, checkpoint: CPUCheckpoint, session_id: str, position: int | None = None, expected_identity: str | None = None
+        self,
+        checkpoint: CPUCheckpoint,
+        session_id: str,
+        position: int | None = None,
+        expected_identity: str | None = None,
     ) -> None:
         return await self._call(
             session_id,

@@ -10,6 +10,7 @@ operations, while a resume reads its file, and until the first byte of the reque
 written. From then on a cancel waits for the transfer to settle (so a save never leaves half a
 result behind); a worker that stops answering ends it through the liveness rule.
 """
+
 from __future__ import annotations
 
 import numbers

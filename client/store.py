@@ -12,6 +12,7 @@ them in worker threads. Nothing is evicted or swept implicitly: a writer killed 
 ``.<session-hash>.<random>.tmp`` file, which :meth:`list` ignores and which may be removed once no
 writer is running.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,9 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -162,9 +164,7 @@ class SessionStore:
         except FileExistsError:
             pass
         except OSError as e:
-            raise os_failure(
-                CheckpointWriteError, e, f"cannot create the store directory {str(self.path)!r}"
-            ) from None
+            raise os_failure(CheckpointWriteError, e, f"cannot create the store directory {str(self.path)!r}") from None
         else:
             # mkdir's mode is masked by the umask; make it exactly 0700.
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -180,16 +180,13 @@ class SessionStore:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise StorePermissionError(
-                    f"store path {str(self.path)!r} is a symlink or not a directory"
-                ) from None
+                raise StorePermissionError(f"store path {str(self.path)!r} is a symlink or not a directory") from None
             raise StorePermissionError(f"store directory {str(self.path)!r} is unusable: {e}") from None
         try:
             st = os.fstat(fd)
             if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
                 raise StorePermissionError(
-                    f"store directory {str(self.path)!r} is owned by uid {st.st_uid}, "
-                    f"not by this user ({os.geteuid()})"
+                    f"store directory {str(self.path)!r} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
                 )
             if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 raise StorePermissionError(
@@ -241,8 +238,7 @@ class SessionStore:
                 differences.append(f"{key}: store {_show(declared)}, worker {_show(actual)}")
         if differences:
             raise ConfigurationMismatch(
-                f"the worker does not run what the session store {str(self.path)!r} declares: "
-                + "; ".join(differences)
+                f"the worker does not run what the session store {str(self.path)!r} declares: " + "; ".join(differences)
             )
 
     def _check_format(self, checkpoint: CPUCheckpoint) -> None:
@@ -315,8 +311,12 @@ class SessionStore:
             raise
         try:
             found, checkpoint = read_checkpoint_file(
-                name, dir_fd=dir_fd, expected_identity=self.identity, max_bytes=self.max_bytes,
-                expected_inputs=self.inputs, expected_label="store",
+                name,
+                dir_fd=dir_fd,
+                expected_identity=self.identity,
+                max_bytes=self.max_bytes,
+                expected_inputs=self.inputs,
+                expected_label="store",
             )
         except CheckpointNotFound:
             raise CheckpointNotFound(f"no saved checkpoint for session {session_id!r}") from None
@@ -326,8 +326,9 @@ class SessionStore:
             raise CheckpointCorrupt(
                 f"{name} holds session {found!r}, not {session_id!r}; the file was renamed or copied"
             )
+        assert checkpoint is not None  # not manifest_only, so the payloads were read
         self._check_format(checkpoint)  # files saved before save() checked it
-        return checkpoint  # type: ignore[return-value]  # not manifest_only, so never None
+        return checkpoint
 
     def delete(self, session_id: str) -> bool:
         """Remove ``session_id``'s saved file; return whether one existed. Live sessions are untouched."""
@@ -368,9 +369,7 @@ class SessionStore:
                 try:
                     # No size bound here: an oversized file is still a saved session, and
                     # load() reports it as CheckpointTooLarge.
-                    found, _ = read_checkpoint_file(
-                        name, dir_fd=dir_fd, max_bytes=sys.maxsize, manifest_only=True
-                    )
+                    found, _ = read_checkpoint_file(name, dir_fd=dir_fd, max_bytes=sys.maxsize, manifest_only=True)
                 except CheckpointError:
                     continue  # damaged, foreign or vanished meanwhile: load() reports it precisely
                 if found is not None and _session_hash(found) + SUFFIX == name:

@@ -8,6 +8,7 @@ A frame is a fixed little-endian header, a msgpack control map and zero or more 
 typed contracts (generate request, result, hello) that the schema is checked against, and
 :mod:`.checkpoint` the checkpoint's data model, wire codec, file format and identity.
 """
+
 from __future__ import annotations
 
 from .errors import (

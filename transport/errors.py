@@ -8,6 +8,7 @@ Two levels, as in the rest of muxworker: a request error (every class here excep
 :class:`ProtocolError`) ends that one request; a :class:`ProtocolError` means the byte stream itself
 can no longer be trusted, and the connection is closed.
 """
+
 from __future__ import annotations
 
 from typing import ClassVar

@@ -6,6 +6,7 @@ so a stray print from any library in the worker cannot corrupt it. The client cr
 command line (``--control-fd N --reply-fd M``) or in ``MUXWORKER_FDS="N,M"``; the worker finds
 them with :func:`worker_fds`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ import os
 import select
 import stat
 import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from .framing import DEFAULT_LIMITS, Frame, FrameDecoder, FrameLimits, MiB, encode_frame
 
@@ -164,7 +166,9 @@ class FdFrameWriter:
         if self._fd < 0:
             raise ValueError("write to a closed FdFrameWriter")
         if self._broken is not None:
-            raise BrokenPipeError(errno.EPIPE, f"frame writer is unusable after an earlier failed write: {self._broken!r}")
+            raise BrokenPipeError(
+                errno.EPIPE, f"frame writer is unusable after an earlier failed write: {self._broken!r}"
+            )
         buffers = encode_frame(frame, self._limits)
         try:
             _writev_all(self._fd, buffers)
@@ -182,7 +186,9 @@ class FdFrameWriter:
         if self._fd < 0:
             raise ValueError("write to a closed FdFrameWriter")
         if self._broken is not None:
-            raise BrokenPipeError(errno.EPIPE, f"frame writer is unusable after an earlier failed write: {self._broken!r}")
+            raise BrokenPipeError(
+                errno.EPIPE, f"frame writer is unusable after an earlier failed write: {self._broken!r}"
+            )
         buffers = [buf for frame in frames for buf in encode_frame(frame, self._limits)]
         try:
             _writev_all(self._fd, buffers)
@@ -280,9 +286,7 @@ class WorkerPipes:
                 os.close(fd)
 
 
-def worker_fds(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> tuple[int, int]:
+def worker_fds(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
     """The worker's (control_fd, reply_fd), from ``--control-fd N --reply-fd M`` or ``MUXWORKER_FDS=N,M``.
 
     Command-line flags win over the environment. Both fds must be open and must not be stdin,

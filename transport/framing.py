@@ -19,13 +19,15 @@ next bytes (its staging buffer, or straight into the frame's preallocated payloa
 hands out complete frames. The blocking fd end (``fdio``) and the trio end (``trio_stream``) are
 thin loops around it, so both ends enforce exactly the same rules.
 """
+
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -99,9 +101,7 @@ class FrameLimits:
     max_payloads: int = 1024
     max_payload_bytes: int = 64 * MiB
     max_depth: int = 32
-    kind_payload_bytes: Mapping[str, int] = field(
-        default_factory=lambda: {"restore": 16 * GiB, "checkpoint": 16 * GiB}
-    )
+    kind_payload_bytes: Mapping[str, int] = field(default_factory=lambda: {"restore": 16 * GiB, "checkpoint": 16 * GiB})
 
     def __post_init__(self) -> None:
         # max_payloads sizes each reader's staging buffer (8 bytes per length), hence its bound.
@@ -185,9 +185,7 @@ def _check_tree(obj: object, max_depth: int, *, sending: bool) -> None:
             if isinstance(node, dict):
                 for key in node:
                     if type(key) is not str:
-                        raise ProtocolError(
-                            f"control map keys must be strings, got {type(key).__name__} {key!r:.40}"
-                        )
+                        raise ProtocolError(f"control map keys must be strings, got {type(key).__name__} {key!r:.40}")
                 values = node.values()
             else:
                 values = node  # type: ignore[assignment]
@@ -300,9 +298,7 @@ def payload_array(frame: Frame, ref: Mapping[str, Any]) -> np.ndarray:
     view = _byte_view(frame.payloads[index])
     expected = payload_nbytes(ref)
     if view.nbytes != expected:
-        raise InvalidArgument(
-            f"payload {index} has {view.nbytes} bytes but {dtype}{shape} needs {expected}"
-        )
+        raise InvalidArgument(f"payload {index} has {view.nbytes} bytes but {dtype}{shape} needs {expected}")
     return np.frombuffer(view, dtype=DTYPES[dtype]).reshape(shape)
 
 
@@ -606,7 +602,7 @@ class FrameDecoder:
                     self._index += 1
                     self._filled = 0
                 assert self._control is not None
-                frame = Frame(self._control, payloads)  # type: ignore[arg-type]
+                frame = Frame(self._control, payloads)
                 self._reset_frame()
                 return frame
 
@@ -620,17 +616,19 @@ class FrameDecoder:
     def _check_header(self, magic: bytes, major: int, minor: int, flags: int, control_len: int, count: int) -> None:
         limits = self.limits
         if magic != MAGIC:
-            raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r} (not a muxworker frame, or the stream is out of step)")
-        if major != PROTOCOL_VERSION[0]:
             raise ProtocolError(
-                f"frame has protocol version {major}.{minor}; this end speaks {PROTOCOL_VERSION[0]}.x"
+                f"bad magic {magic!r}, expected {MAGIC!r} (not a muxworker frame, or the stream is out of step)"
             )
+        if major != PROTOCOL_VERSION[0]:
+            raise ProtocolError(f"frame has protocol version {major}.{minor}; this end speaks {PROTOCOL_VERSION[0]}.x")
         if flags:
             raise ProtocolError(f"unknown header flags 0x{flags:04x}; protocol {PROTOCOL_VERSION[0]}.x defines none")
         if control_len == 0:
             raise ProtocolError("control_len is 0; every frame carries a control map")
         if control_len > limits.max_control_bytes:
-            raise ProtocolError(f"control map of {control_len} bytes exceeds max_control_bytes={limits.max_control_bytes}")
+            raise ProtocolError(
+                f"control map of {control_len} bytes exceeds max_control_bytes={limits.max_control_bytes}"
+            )
         if count > limits.max_payloads:
             raise ProtocolError(f"frame declares {count} payloads, over max_payloads={limits.max_payloads}")
 

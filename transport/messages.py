@@ -12,11 +12,13 @@ each one names exactly the fields its schema entry has:
 - :class:`WorkerInfo` and :class:`ModelInfo`: the worker's ``hello`` (its protocol version, model,
   backend, device, dtype, engine limits and readiness).
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .errors import ProtocolError
 from .sampling import SAMPLING_FIELD_NAMES, SamplingFields

@@ -6,6 +6,7 @@ output cannot forge a role turn. Text that must produce real special tokens (a r
 template, a hand-written control sequence) is opted in by wrapping it in :class:`SpecialText`. On the
 wire a text segment carries ``"special": true`` for it.
 """
+
 from __future__ import annotations
 
 __all__ = ["SpecialText"]

@@ -17,6 +17,7 @@ Rules a caller can rely on:
 - ``min_p`` (in [0, 1], 0 = off) drops tokens whose probability is below ``min_p`` times the most
   likely token's, after temperature.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,7 +70,7 @@ class SamplingFields:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
-    def from_wire(cls, control: dict[str, Any]) -> "SamplingFields":
+    def from_wire(cls, control: dict[str, Any]) -> SamplingFields:
         kw = {k: control[k] for k in SAMPLING_FIELD_NAMES if k in control}
         if kw.get("stop") is None:
             kw.pop("stop", None)

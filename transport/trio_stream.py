@@ -6,11 +6,13 @@ payloads, waiting with ``trio.lowlevel.wait_readable/wait_writable``, exactly li
 internally. Any other ``ReceiveStream``/``SendStream`` works too, at the cost of one copy per
 received chunk (trio streams return bytes).
 """
+
 from __future__ import annotations
 
 import errno
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 

@@ -20,14 +20,16 @@ Rules that keep a conversation from being lost:
 Owner: the chat's main task owns a :class:`Conversation`; :class:`ReplyInterrupt` is the one object
 the Ctrl-C task touches while a reply streams.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from muxworker.client import GenerationParams, GenerationResult, GenerationStream, MultiplexedWorkerClient, SpecialText
 
@@ -200,7 +202,10 @@ class Conversation:
         if not (
             isinstance(conv.session_id, str)
             and isinstance(conv.messages, list)
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in conv.messages)
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conv.messages
+            )
             and isinstance(conv.history_ids, list)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in conv.history_ids)
         ):
@@ -267,7 +272,11 @@ def chat_sampling(model_dir: Path, overrides: dict[str, float | None]) -> tuple[
     except (OSError, ValueError):
         gen = {}  # the worker reports a broken model directory itself
     if isinstance(gen, dict):
-        taken = {k: gen[k] for k in _GENERATION_CONFIG_FIELDS if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+        taken = {
+            k: gen[k]
+            for k in _GENERATION_CONFIG_FIELDS
+            if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)
+        }
         if gen.get("do_sample") is False:
             taken["temperature"] = 0.0
         if taken:
@@ -280,7 +289,7 @@ def chat_sampling(model_dir: Path, overrides: dict[str, float | None]) -> tuple[
     return sampling, source
 
 
-def check_sampling(sampling: dict[str, float], max_new_tokens: int) -> None:
+def check_sampling(sampling: dict[str, Any], max_new_tokens: int) -> None:
     """Raise InvalidArgument naming a field out of range, by the worker's own rules, so a bad flag
     stops the chat at start rather than failing every turn."""
     try:
@@ -291,7 +300,9 @@ def check_sampling(sampling: dict[str, float], max_new_tokens: int) -> None:
     SamplingFields(max_new_tokens=max_new_tokens, **{k: v for k, v in sampling.items() if k in known}).validate()
 
 
-def generation_params(session_id: str, max_new_tokens: int, sampling: dict[str, float]) -> tuple[GenerationParams, list[str]]:
+def generation_params(
+    session_id: str, max_new_tokens: int, sampling: dict[str, Any]
+) -> tuple[GenerationParams, list[str]]:
     """``(params, fields this client cannot send)``.
 
     Sampling fields the installed ``GenerationParams`` does not have are left out and named, but

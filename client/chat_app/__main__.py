@@ -10,12 +10,13 @@ The terminal chat. How it keeps a conversation (see also the package docstring):
   the chat says why and offers a new session under a free name, or exits leaving it as it was.
 - ``/reset`` deletes the session's saved files, so the next start does not bring it back.
 """
+
 from __future__ import annotations
 
 import argparse
 import signal
-import textwrap
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -66,7 +67,9 @@ keys and commands:
 SAMPLING_HELP = (
     "Sampling: flags win; then the model's generation_config.json (do_sample, temperature, top_p, "
     "top_k, min_p, repetition_penalty); else the chat defaults "
-    + ", ".join(f"{k} {v:g}" for k, v in CHAT_SAMPLING_DEFAULTS.items() if k in ("temperature", "top_p", "repetition_penalty"))
+    + ", ".join(
+        f"{k} {v:g}" for k, v in CHAT_SAMPLING_DEFAULTS.items() if k in ("temperature", "top_p", "repetition_penalty")
+    )
     + " (greedy decoding loops on small models). --temperature 0 is greedy."
 )
 
@@ -78,9 +81,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog=KEYS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--session", default="default", help="session name; resumed from the store if saved (default: default)")
+    p.add_argument(
+        "--session", default="default", help="session name; resumed from the store if saved (default: default)"
+    )
     p.add_argument("--store", type=Path, default=None, help=f"session store directory (default: {default_store_dir()})")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="HF model directory or .gguf (default: the bundled SmolLM2-135M-Instruct)"
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -89,18 +96,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the worker (default: one per core)")
-    p.add_argument("--max_new_tokens", type=int, default=256, help="reply length limit; -1: the rest of the context (default: 256)")
+    p.add_argument(
+        "--max_new_tokens", type=int, default=256, help="reply length limit; -1: the rest of the context (default: 256)"
+    )
     p.add_argument("--max_session_tokens", type=int, default=4096, help="tokens one conversation holds (default: 4096)")
     s = p.add_argument_group("sampling (default: the model's generation_config.json, else the chat defaults)")
     d = CHAT_SAMPLING_DEFAULTS
     s.add_argument("--temperature", type=float, default=None, help=f"0: greedy (chat default {d['temperature']:g})")
     s.add_argument("--top_p", type=float, default=None, help=f"nucleus sampling mass (chat default {d['top_p']:g})")
     s.add_argument("--top_k", type=int, default=None, help="keep the k most likely tokens; 0: off (chat default 0)")
-    s.add_argument("--min_p", type=float, default=None, help="drop tokens below min_p x the top probability; 0: off (chat default 0)")
     s.add_argument(
-        "--repetition_penalty", type=float, default=None, help=f"> 1 discourages repeats; 1: off (chat default {d['repetition_penalty']:g})"
+        "--min_p",
+        type=float,
+        default=None,
+        help="drop tokens below min_p x the top probability; 0: off (chat default 0)",
     )
-    s.add_argument("--presence_penalty", type=float, default=None, help="-2..2, > 0 favours new tokens; 0: off (chat default 0)")
+    s.add_argument(
+        "--repetition_penalty",
+        type=float,
+        default=None,
+        help=f"> 1 discourages repeats; 1: off (chat default {d['repetition_penalty']:g})",
+    )
+    s.add_argument(
+        "--presence_penalty", type=float, default=None, help="-2..2, > 0 favours new tokens; 0: off (chat default 0)"
+    )
     return p
 
 
@@ -118,7 +137,12 @@ class _Chat:
     the cancel/interrupt handles set beside it."""
 
     def __init__(
-        self, args: argparse.Namespace, model_dir: Path, reader: LineReader, sampling: dict[str, float], sampling_source: str
+        self,
+        args: argparse.Namespace,
+        model_dir: Path,
+        reader: LineReader,
+        sampling: dict[str, float],
+        sampling_source: str,
     ) -> None:
         self.args = args
         self.model_dir = model_dir
@@ -204,7 +228,9 @@ class _Chat:
                 progress.stop()
                 info = client.info
                 if info is not None:
-                    _info(f"model ready: {info.model.name} ({info.dtype}, {info.device}) in {time.perf_counter() - t0:.1f} s")
+                    _info(
+                        f"model ready: {info.model.name} ({info.dtype}, {info.device}) in {time.perf_counter() - t0:.1f} s"
+                    )
                 return await self._session(client)
         except WorkerStartupError as exc:
             progress.stop()
@@ -234,7 +260,9 @@ class _Chat:
             return True
         try:
             if not transcript.exists():
-                raise TranscriptError(f"its checkpoint {checkpoint} has no transcript ({transcript}), so its messages are unknown")
+                raise TranscriptError(
+                    f"its checkpoint {checkpoint} has no transcript ({transcript}), so its messages are unknown"
+                )
             conv = await trio.to_thread.run_sync(Conversation.load, transcript)
             if conv.session_id != name:
                 raise TranscriptError(f"transcript {transcript} belongs to session {conv.session_id!r}")
@@ -255,7 +283,9 @@ class _Chat:
                 )
             else:
                 self.conv = conv
-                _info(f"resumed session {name!r}: {len(conv.history_ids)} tokens restored, {len(conv.messages)} messages")
+                _info(
+                    f"resumed session {name!r}: {len(conv.history_ids)} tokens restored, {len(conv.messages)} messages"
+                )
         except WorkerDiedError:
             raise
         except (TranscriptError, MuxError) as exc:

@@ -13,6 +13,7 @@ Owner: the blocking reads run in one worker thread at a time (``trio.to_thread``
 stops waiting for (Ctrl-C at the prompt) is abandoned, so :meth:`LineReader.restore` puts the
 terminal back as it was, whatever readline left it in.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,6 +46,7 @@ class LineReader:
         if self.interactive:
             import termios
 
+            assert self._fd is not None  # interactive implies a terminal fd
             try:
                 self._saved_tty = termios.tcgetattr(self._fd)
             except termios.error:
@@ -80,15 +82,13 @@ class LineReader:
 
     def _read_block(self, first: str) -> str | None:
         lines: list[str] = []
-        rest = first
-        while True:
+        rest: str | None = first
+        while rest is not None:
             if rest.rstrip().endswith(BLOCK_DELIMITER):
                 lines.append(rest.rstrip()[: -len(BLOCK_DELIMITER)])
                 break
             lines.append(rest)
-            rest = self._read_line("... ")
-            if rest is None:  # end of input inside a block: send what was typed
-                break
+            rest = self._read_line("... ")  # None at end of input inside a block: send what was typed
         text = "\n".join(lines).strip("\n")
         return text
 
@@ -103,7 +103,7 @@ class LineReader:
     def _more_waiting(self) -> bool:
         # Only readline leaves the unread rest of a paste in the terminal (it reads byte by byte);
         # a buffered reader would already hold it, and piped input is one message per line.
-        if not self.uses_readline:
+        if not self.uses_readline or self._fd is None:
             return False
         try:
             ready, _, _ = select.select([self._fd], [], [], PASTE_WINDOW_S)
@@ -113,7 +113,7 @@ class LineReader:
 
     def restore(self) -> None:
         """Put the terminal back as it was at start (an abandoned readline leaves it raw)."""
-        if self._saved_tty is None:
+        if self._saved_tty is None or self._fd is None:
             return
         import termios
 

@@ -5,6 +5,7 @@ on SIGINT. The chat handles Ctrl-C itself (stop the reply, or save and quit), so
 receive it: this moves the process out of the terminal's group before the worker starts. The
 worker still exits when the chat goes away, because its control pipe reaches EOF.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """`python -m muxworker.chat` driven through a pseudo-terminal that is its controlling terminal, so
 Ctrl-C (b"\\x03") reaches it as SIGINT and Ctrl-D (b"\\x04") as end of input, as on a real terminal."""
+
 from __future__ import annotations
 
 import fcntl
@@ -54,7 +55,9 @@ class Terminal:
                 return m
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{pattern!r} not seen; output so far: {self.seen.decode(errors='replace')[-4000:]}")
+                raise AssertionError(
+                    f"{pattern!r} not seen; output so far: {self.seen.decode(errors='replace')[-4000:]}"
+                )
             r, _, _ = select.select([self.master], [], [], left)
             if r:
                 try:

@@ -34,8 +34,9 @@ from muxworker.native import crc32c
 from muxworker.transport.errors import ERROR_CLASSES, CheckpointRejected, InvalidArgument, MuxError
 
 
-def make_checkpoint(*, position=12, windows=(None, 5), dtype="bfloat16", kv=2, d=4, draft=True,
-                    identity="model-a", seed=0) -> CPUCheckpoint:
+def make_checkpoint(
+    *, position=12, windows=(None, 5), dtype="bfloat16", kv=2, d=4, draft=True, identity="model-a", seed=0
+) -> CPUCheckpoint:
     rng = np.random.default_rng(seed)
     storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
 
@@ -55,7 +56,9 @@ def make_checkpoint(*, position=12, windows=(None, 5), dtype="bfloat16", kv=2, d
         position=position,
         token_ids=rng.integers(0, 50_000, size=position, dtype=np.int32),
         layers=layers(windows),
-        draft=None if not draft else {
+        draft=None
+        if not draft
+        else {
             "geometry": {"num_layers": 1, "num_kv_heads": kv, "head_dim": d, "windows": [3]},
             "layers": layers([3]),
             "pending_token_ids": np.array([5, 6, 7], np.int32),
@@ -173,8 +176,15 @@ def test_missing_file_is_not_found(tmp_path):
 def test_file_errors_share_one_root_that_is_not_the_workers_rejection():
     # A missing or damaged file is not "the worker rejected this checkpoint": `except
     # CheckpointRejected` around a restore must not catch it, and it never travels on the wire.
-    for cls in (CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointTooLarge,
-                CheckpointUnsafePath, CheckpointWriteError, CheckpointReadError):
+    for cls in (
+        CheckpointNotFound,
+        CheckpointCorrupt,
+        CheckpointIncompatible,
+        CheckpointTooLarge,
+        CheckpointUnsafePath,
+        CheckpointWriteError,
+        CheckpointReadError,
+    ):
         assert issubclass(cls, CheckpointError) and issubclass(cls, MuxError)
         assert not issubclass(cls, CheckpointRejected)
         assert cls.code == "checkpoint_error" and cls.code not in ERROR_CLASSES
@@ -365,8 +375,7 @@ def test_appended_bytes_are_corrupt(saved):
         load_checkpoint(path)
 
 
-def _rewrite_header(path, manifest_obj=None, *, version=2, manifest_bytes=None, manifest_len=None,
-                    keep_offsets=False):
+def _rewrite_header(path, manifest_obj=None, *, version=2, manifest_bytes=None, manifest_len=None, keep_offsets=False):
     """Rebuild the header and its CRC around a chosen manifest; keep everything after it (with
     ``keep_offsets``, keep the payloads where they were, re-padding the header block)."""
     data = path.read_bytes()

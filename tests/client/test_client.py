@@ -2,6 +2,7 @@
 
 Timeouts here (trio.fail_after) are hang guards, not timing assertions: the machine is shared.
 """
+
 from __future__ import annotations
 
 import logging
@@ -228,7 +229,11 @@ async def test_interleaved_sessions_complete_out_of_order_and_match_a_solo_engin
     for i in range(n):
         r = results[i]
         assert r.finish_reason == "length" and r.completion_tokens == lengths[i] == len(r.generated_token_ids)
-        assert (r.prompt_tokens, r.prefilled_prompt_tokens, r.reused_prompt_tokens) == (len(prompts[i]), len(prompts[i]), 0)
+        assert (r.prompt_tokens, r.prefilled_prompt_tokens, r.reused_prompt_tokens) == (
+            len(prompts[i]),
+            len(prompts[i]),
+            0,
+        )
         assert texts[i] == await client.detokenize(r.generated_token_ids)
 
     # The same greedy continuations from the engine in-process, one request at a time.
@@ -532,7 +537,9 @@ async def test_smollm2_concurrent_chat_streams_match_solo_runs():
 async def test_smollm2_worker_killed_mid_stream():
     async with spawn_multiplexed_worker(default_worker_command(max_session_tokens=1024), startup_timeout=600) as client:
         await client.open_session("a")
-        stream = client.generate("Tell me a long story.", GenerationParams(session_id="a", max_new_tokens=500, stop_token_ids=[]))
+        stream = client.generate(
+            "Tell me a long story.", GenerationParams(session_id="a", max_new_tokens=500, stop_token_ids=[])
+        )
         await stream.__anext__()
         os.kill(client.pid, signal.SIGKILL)
         with trio.fail_after(HANG_GUARD_S):
@@ -556,7 +563,9 @@ async def _outcome(call) -> BaseException | str:
     return "returned"
 
 
-async def test_a_stopped_worker_fails_streams_info_and_saves_after_the_liveness_timeout(worker_command, model_dir, tmp_path):
+async def test_a_stopped_worker_fails_streams_info_and_saves_after_the_liveness_timeout(
+    worker_command, model_dir, tmp_path
+):
     from muxworker.client import SessionStore
 
     store = await SessionStore.create(
@@ -675,13 +684,32 @@ WRONG = st.one_of(
     st.binary(max_size=4),
     st.lists(st.one_of(st.integers(min_value=-(2**40), max_value=2**70), st.text(max_size=2), st.none()), max_size=3),
     st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
-    st.sampled_from([object(), np.array([[1, 2]]), np.float32(0.5), np.int64(-3), np.array([2**40]), {"role": 1}, [{}]]),
+    st.sampled_from(
+        [object(), np.array([[1, 2]]), np.float32(0.5), np.int64(-3), np.array([2**40]), {"role": 1}, [{}]]
+    ),
 )
 PARAM_FIELDS = [f.name for f in dataclasses.fields(GenerationParams)]
 CALLS = (
-    "open", "close", "reset", "generate_prompt", "generate_param", "generate_params_object", "tokenize",
-    "detokenize", "chat_template", "export", "restore", "save", "resume",
-    "rt_open", "rt_generate_prompt", "rt_generate_param", "rt_save", "rt_resume", "rt_export", "rt_restore",
+    "open",
+    "close",
+    "reset",
+    "generate_prompt",
+    "generate_param",
+    "generate_params_object",
+    "tokenize",
+    "detokenize",
+    "chat_template",
+    "export",
+    "restore",
+    "save",
+    "resume",
+    "rt_open",
+    "rt_generate_prompt",
+    "rt_generate_param",
+    "rt_save",
+    "rt_resume",
+    "rt_export",
+    "rt_restore",
 )
 
 
@@ -698,6 +726,7 @@ async def _each_param(generate, bad) -> None:
 
 async def _bad_call(client, runtime, checkpoint, call: str, slot: int, bad) -> None:
     """One public call with ``bad`` in one argument slot and valid values elsewhere."""
+
     def pick(*args):
         args = list(args)
         args[slot % len(args)] = bad
@@ -739,9 +768,13 @@ async def _bad_call(client, runtime, checkpoint, call: str, slot: int, bad) -> N
         raise AssertionError(call)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(calls=st.lists(st.tuples(st.sampled_from(CALLS), st.integers(0, 3), WRONG), min_size=30, max_size=30))
-async def test_wrong_arguments_to_every_public_call_raise_mux_errors_and_the_worker_lives(calls, worker_command, model_dir, tmp_path_factory):
+async def test_wrong_arguments_to_every_public_call_raise_mux_errors_and_the_worker_lives(
+    calls, worker_command, model_dir, tmp_path_factory
+):
     from muxworker.client import SessionRuntime, SessionStore
 
     store = await SessionStore.create(

@@ -1,6 +1,7 @@
 """Session checkpoints through the client and a real worker: save, restart, resume; the advanced API;
 the checkpoint queue. Greedy float32 on a tiny random model, so continuations must match exactly.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,7 +50,9 @@ def _configuration(**extra) -> dict:
 
 async def _store(path, model_dir, **extra) -> SessionStore:
     return await SessionStore.create(
-        path, model_files=[model_dir / "model.safetensors", model_dir / "tokenizer.json"], configuration=_configuration(**extra)
+        path,
+        model_files=[model_dir / "model.safetensors", model_dir / "tokenizer.json"],
+        configuration=_configuration(**extra),
     )
 
 
@@ -127,7 +130,9 @@ async def test_exact_retry_restores_one_token_early_and_prefills_one(worker_comm
         assert result.generated_token_ids == await _cold(client, partial)
 
 
-async def test_a_loaded_checkpoint_survives_its_file_being_overwritten_and_truncated(worker_command, model_dir, tmp_path):
+async def test_a_loaded_checkpoint_survives_its_file_being_overwritten_and_truncated(
+    worker_command, model_dir, tmp_path
+):
     store = await _store(tmp_path / "store", model_dir)
     async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
         for sid, prompt in (("chat", PROMPT), ("other", PROMPT[::-1])):
@@ -211,7 +216,8 @@ async def test_a_file_from_another_configuration_names_what_differs(worker_comma
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_bytes((model_dir / "tokenizer.json").read_bytes() + b" ")
     other = await SessionStore.create(
-        tmp_path / "store", model_files=[model_dir / "model.safetensors", tokenizer],
+        tmp_path / "store",
+        model_files=[model_dir / "model.safetensors", tokenizer],
         configuration=_configuration(rope_theta=500000.0),
     )
     with pytest.raises(CheckpointIncompatible) as info:
@@ -314,22 +320,24 @@ async def test_concurrent_saves_are_serialized_in_call_order(worker_command, mod
                 for sid in sids:
                     nursery.start_soon(client.save_session, sid)
                     await trio.sleep(0)  # queue them in this order
-                    nursery.start_soon(
-                        lambda s=sid: _export_into(client, s, exported)
-                    )
+                    nursery.start_soon(lambda s=sid: _export_into(client, s, exported))
                     await trio.sleep(0)
         assert store.max_active == 1
         assert store.saved == sids
         assert len(exported) == len(sids)
         for sid in sids:
-            assert (await trio.to_thread.run_sync(store.load, sid)).position == (await client.export_checkpoint_to_cpu(sid)).position
+            assert (await trio.to_thread.run_sync(store.load, sid)).position == (
+                await client.export_checkpoint_to_cpu(sid)
+            ).position
 
 
 async def _export_into(client, sid: str, out: list[int]) -> None:
     out.append((await client.export_checkpoint_to_cpu(sid)).position)
 
 
-async def test_queued_checkpoint_operations_can_be_cancelled_and_started_ones_settle(worker_command, model_dir, tmp_path):
+async def test_queued_checkpoint_operations_can_be_cancelled_and_started_ones_settle(
+    worker_command, model_dir, tmp_path
+):
     store = await _slow_store(tmp_path / "store", model_dir)
     async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
         for sid in ("a", "b"):

@@ -1,5 +1,6 @@
 """The client's connection driven over in-memory streams by a fake worker: routing, cancellation
 races, slow consumers and connection loss, without spawning a worker process."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """The prefix cache through a real worker process (--prefix_cache_entries)."""
+
 from __future__ import annotations
 
 import trio

@@ -1,4 +1,5 @@
 """The worker process layer: spawning over WorkerPipes keeps no fd behind on failure."""
+
 from __future__ import annotations
 
 import os

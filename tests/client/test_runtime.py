@@ -3,14 +3,15 @@
 Order and overlap are proven by the order of events (request ids, which history a generation
 reused, which delta came first), never by durations. trio.fail_after is a hang guard only.
 """
+
 from __future__ import annotations
 
 import os
-import threading
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import trio
@@ -455,7 +456,9 @@ operation = st.tuples(
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(operation, min_size=200, max_size=200))
 async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, tmp_path_factory, model_files):
-    store = await SessionStore.create(tmp_path_factory.mktemp("rt") / "s", model_files=model_files, configuration=CONFIG)
+    store = await SessionStore.create(
+        tmp_path_factory.mktemp("rt") / "s", model_files=model_files, configuration=CONFIG
+    )
     refused = 0
     seen: set[str] = set()
 
@@ -542,14 +545,18 @@ async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, 
                     break
             assert runtime.admitted == 0 and runtime.leased_sessions == 0
             # What the mix reached (--hypothesis-show-statistics).
-            event(f"refused at capacity: {'none' if not refused else 'under 25%' if refused < len(ops) // 4 else 'more'}")
+            event(
+                f"refused at capacity: {'none' if not refused else 'under 25%' if refused < len(ops) // 4 else 'more'}"
+            )
             for stream in streams:
                 try:
                     result = await stream.wait()
                 except EXPECTED as exc:
                     seen.add(type(exc).__name__)
                 else:
-                    seen.add("generation never sent" if stream.request_id is None else f"generation {result.finish_reason}")
+                    seen.add(
+                        "generation never sent" if stream.request_id is None else f"generation {result.finish_reason}"
+                    )
             for name in sorted(seen):
                 event(f"met {name}")
 

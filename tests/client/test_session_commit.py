@@ -3,6 +3,7 @@ restart, plain text never forges special tokens, and no sampling value takes the
 
 Timeouts (trio.fail_after) are hang guards, not timing assertions.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -142,7 +143,9 @@ async def test_no_sampling_value_takes_the_worker_down(worker_command, batch):
             neighbour = client.generate([list(range(3, 13))], greedy("n", 40))
             for fields in batch:
                 try:
-                    _, res = await _turn(client, [list(range(20, 28))], GenerationParams("x", max_new_tokens=3, **fields))
+                    _, res = await _turn(
+                        client, [list(range(20, 28))], GenerationParams("x", max_new_tokens=3, **fields)
+                    )
                     assert res.finish_reason in ("length", "stop")
                 except InvalidArgument:
                     pass  # refused with a message naming the field; the worker carries on

@@ -17,8 +17,8 @@ from muxworker.client.checkpoint import (
     CheckpointCorrupt,
     CheckpointIncompatible,
     CheckpointNotFound,
-    CheckpointTooLarge,
     CheckpointReadError,
+    CheckpointTooLarge,
     CheckpointUnsafePath,
     CheckpointWriteError,
     CPUCheckpoint,
@@ -86,7 +86,9 @@ async def test_create_makes_a_private_directory_and_binds_the_identity(tmp_path,
     assert os.stat(store.path).st_mode & 0o777 == 0o700
     assert store.identity == checkpoint_identity(model_files, CONFIG)
     assert store.max_bytes == 16 * 2**30
-    other = await SessionStore.create(tmp_path / "c", model_files=model_files, configuration={**CONFIG, "dtype": "bfloat16"})
+    other = await SessionStore.create(
+        tmp_path / "c", model_files=model_files, configuration={**CONFIG, "dtype": "bfloat16"}
+    )
     assert other.identity != store.identity
 
 
@@ -282,8 +284,15 @@ async def test_identity_mismatch_is_incompatible_and_names_what_differs(tmp_path
 def _worker_info(**overrides) -> WorkerInfo:
     limits = {"max_sessions": 8, "max_session_tokens": 512, "n_draft": 0, **overrides.pop("limits", {})}
     model = ModelInfo(name="tiny", architecture="llama", vocab_size=300, context_length=2048, has_chat_template=False)
-    fields = {"protocol": (1, 0), "model": model, "backend": "torch", "device": "cpu", "dtype": "float32",
-              "limits": limits, **overrides}
+    fields = {
+        "protocol": (1, 0),
+        "model": model,
+        "backend": "torch",
+        "device": "cpu",
+        "dtype": "float32",
+        "limits": limits,
+        **overrides,
+    }
     return WorkerInfo(**fields)
 
 
@@ -318,7 +327,8 @@ async def test_save_and_load_refuse_a_checkpoint_of_another_dtype_than_declared(
 
     other = make_checkpoint()
     other = dataclasses.replace(
-        other, format={**other.format, "dtype": "float16"},
+        other,
+        format={**other.format, "dtype": "float16"},
         layers=[LayerState(0, x.keys.astype(np.float16), x.values.astype(np.float16)) for x in other.layers],
     )
     with pytest.raises(ConfigurationMismatch, match="dtype: store float32, checkpoint float16"):
@@ -490,7 +500,9 @@ def _creating(path, flags, *args, **kwargs) -> bool:
         ("replace", errno.EPERM, "permission_denied", "permission denied"),
     ],
 )
-async def test_save_failures_name_their_reason_and_keep_the_previous_file(store, monkeypatch, call, err, reason, phrase):
+async def test_save_failures_name_their_reason_and_keep_the_previous_file(
+    store, monkeypatch, call, err, reason, phrase
+):
     store.save("s", make_checkpoint(seed=1))
     real = getattr(os, call)
     monkeypatch.setattr(os, call, _failing(real, err, when=_creating if call == "open" else lambda *a, **k: True))
@@ -541,8 +553,9 @@ async def test_a_store_directory_that_cannot_be_created_names_the_reason(tmp_pat
 def small_tmpfs(tmp_path):
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:

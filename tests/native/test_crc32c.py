@@ -1,4 +1,5 @@
 """CRC32C against published vectors and an independent pure-Python reference."""
+
 from __future__ import annotations
 
 import mmap
@@ -84,8 +85,29 @@ def test_random_buffers_match_bitwise_reference(data, seed):
 
 # Lengths around the hardware path's 3 x 8192-byte interleaved block and the 8-byte word loop.
 BLOCK3 = 3 * 8192
-LENGTHS = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 8191, 8192, 8193,
-           BLOCK3 - 1, BLOCK3, BLOCK3 + 1, 2 * BLOCK3 + 13, 3 * BLOCK3 + 5]
+LENGTHS = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    8,
+    9,
+    15,
+    16,
+    17,
+    63,
+    64,
+    65,
+    8191,
+    8192,
+    8193,
+    BLOCK3 - 1,
+    BLOCK3,
+    BLOCK3 + 1,
+    2 * BLOCK3 + 13,
+    3 * BLOCK3 + 5,
+]
 
 
 @pytest.mark.parametrize("length", LENGTHS)

@@ -53,8 +53,12 @@ def make_checkpoint(
     draft = None
     if draft_windows is not None:
         draft = {
-            "geometry": {"num_layers": len(draft_windows), "num_kv_heads": kv, "head_dim": d,
-                         "windows": list(draft_windows)},
+            "geometry": {
+                "num_layers": len(draft_windows),
+                "num_kv_heads": kv,
+                "head_dim": d,
+                "windows": list(draft_windows),
+            },
             "layers": layers(draft_windows),
             "pending_token_ids": rng.integers(0, 1000, size=3, dtype=np.int32),
             "pending_features": rows(2).reshape(2, kv * d),
@@ -116,8 +120,14 @@ windows_st = st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=1, max_
 )
 def test_round_trip_is_byte_exact(dtype, windows, draft_windows, position, kv, d, identity, seed):
     ckpt = make_checkpoint(
-        position=position, windows=windows, dtype=dtype, kv=kv, d=d,
-        draft_windows=draft_windows, identity=identity, seed=seed,
+        position=position,
+        windows=windows,
+        dtype=dtype,
+        kv=kv,
+        d=d,
+        draft_windows=draft_windows,
+        identity=identity,
+        seed=seed,
     )
     assert_same(ckpt, over_the_wire(ckpt))
 
@@ -171,7 +181,9 @@ def test_manifest_for_300000_tokens_stays_under_1_kib():
     layers = []
     for w in windows:
         start = 0 if w is None else n - w
-        layers.append(LayerState(start, np.zeros((n - start, kv, d), np.uint16), np.zeros((n - start, kv, d), np.uint16)))
+        layers.append(
+            LayerState(start, np.zeros((n - start, kv, d), np.uint16), np.zeros((n - start, kv, d), np.uint16))
+        )
     ckpt = CPUCheckpoint(
         format={"backend": "torch", "dtype": "bfloat16", "layout_version": 1},
         geometry={"num_layers": 4, "num_kv_heads": kv, "head_dim": d, "windows": windows},
@@ -197,6 +209,7 @@ def _set(path, value):
         for key in parents:
             target = target[key]
         target[last] = value
+
     return mutate
 
 
@@ -207,12 +220,14 @@ def _delete(path):
         for key in parents:
             target = target[key]
         del target[last]
+
     return mutate
 
 
 def _payloads(fn):
     def mutate(m, payloads):
         payloads[:] = fn(payloads)
+
     return mutate
 
 
@@ -310,8 +325,12 @@ def test_malformed_draft_is_rejected(mutate):
 def test_constructing_an_inconsistent_checkpoint_raises(change):
     ckpt = make_checkpoint()
     fields = dict(
-        format=ckpt.format, geometry=ckpt.geometry, position=ckpt.position,
-        token_ids=ckpt.token_ids, layers=ckpt.layers, identity=ckpt.identity,
+        format=ckpt.format,
+        geometry=ckpt.geometry,
+        position=ckpt.position,
+        token_ids=ckpt.token_ids,
+        layers=ckpt.layers,
+        identity=ckpt.identity,
     )
     fields.update(change)
     with pytest.raises(CheckpointMalformed):

@@ -1,4 +1,5 @@
 """The typed contracts of transport/messages.py agree with the schema table, field for field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,14 +38,26 @@ def test_a_generate_request_builds_a_valid_control_map():
 def test_hello_entry_is_the_worker_info_dataclass():
     spec = MESSAGES["hello"]
     assert set(spec.required) | set(spec.optional) == _names(WorkerInfo)
-    assert set(spec.optional) == {f.name for f in dataclasses.fields(WorkerInfo) if f.default is not dataclasses.MISSING}
+    assert set(spec.optional) == {
+        f.name for f in dataclasses.fields(WorkerInfo) if f.default is not dataclasses.MISSING
+    }
 
 
 def test_a_hello_round_trips_through_worker_info():
-    model = {"name": "m", "architecture": "LlamaForCausalLM", "vocab_size": 10, "context_length": 64,
-             "has_chat_template": False, "path": "/m", "bos_token_id": 1, "eos_token_ids": [2], "draft": None}
-    hello = hello_control(model=model, backend="torch", device="cpu", dtype="float32",
-                          limits={"max_sessions": 4}, readiness="ready")
+    model = {
+        "name": "m",
+        "architecture": "LlamaForCausalLM",
+        "vocab_size": 10,
+        "context_length": 64,
+        "has_chat_template": False,
+        "path": "/m",
+        "bos_token_id": 1,
+        "eos_token_ids": [2],
+        "draft": None,
+    }
+    hello = hello_control(
+        model=model, backend="torch", device="cpu", dtype="float32", limits={"max_sessions": 4}, readiness="ready"
+    )
     validate(hello, sender="worker")
     info = WorkerInfo.from_hello(hello)
     assert info.protocol == PROTOCOL_VERSION and info.limits == {"max_sessions": 4}

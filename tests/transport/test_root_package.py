@@ -1,4 +1,5 @@
 """The installed package: its version, and which layers an application pulls in."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,7 +16,10 @@ def test_the_package_names_its_installed_version():
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sorted(sys.modules)))"],
-        capture_output=True, text=True, check=True, timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     return set(out.stdout.split())
 

@@ -1,4 +1,5 @@
 """The error hierarchy and its wire codes."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The frame format itself, without I/O: encoder, sans-I/O decoder, limits, payload references."""
+
 from __future__ import annotations
 
 import random
@@ -7,6 +8,7 @@ import struct
 import msgpack
 import numpy as np
 import pytest
+from helpers.wire import assert_same_frame, frames, payload_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +27,6 @@ from muxworker.transport import (
     encode_frame,
     payload_array,
 )
-
-from _wire_helpers import assert_same_frame, frames, payload_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -216,7 +216,11 @@ def test_limits_are_immutable():
         (Frame({"kind": "x", "blob": b"x" * (MiB + 1)}), DEFAULT_LIMITS, "max_control_bytes"),
         (Frame({"kind": "x"}, [b""] * 3), FrameLimits(max_payloads=2), "max_payloads"),
         (Frame({"kind": "x"}, [b"12", b"345"]), FrameLimits(max_payload_bytes=4), "over its limit of 4"),
-        (Frame({"kind": "generate"}, [b"12345"]), FrameLimits(max_payload_bytes=4, kind_payload_bytes={"restore": 9}), "limit of 4"),
+        (
+            Frame({"kind": "generate"}, [b"12345"]),
+            FrameLimits(max_payload_bytes=4, kind_payload_bytes={"restore": 9}),
+            "limit of 4",
+        ),
         (Frame({"kind": "x", 1: "int key"}), DEFAULT_LIMITS, "keys must be strings"),
         (Frame({"kind": "x", "v": {1, 2}}), DEFAULT_LIMITS, "not a plain msgpack type"),
         (Frame({"kind": "x", "v": np.int64(3)}), DEFAULT_LIMITS, "not a plain msgpack type"),

@@ -4,6 +4,7 @@ Both ends are child processes, so each can report its own peak memory: one copy 
 per process (the writer never concatenates it into a bytes object, the reader reads it into a
 single preallocated buffer).
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Each rule gives ProtocolError naming it; nothing is allocated at a size the limi
 clean EOF at a frame boundary is a normal end; nothing hangs (the write end is always closed,
 so every read ends).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ import tracemalloc
 import msgpack
 import numpy as np
 import pytest
+from helpers.wire import assert_same_frame
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +29,6 @@ from muxworker.transport import (
     ProtocolError,
     encode_frame,
 )
-
-from _wire_helpers import assert_same_frame
 
 MiB = 1 << 20
 
@@ -136,8 +136,13 @@ def test_reader_keeps_returning_none_after_the_end():
 def test_truncated_frame_at_every_byte(cut):
     data = wire(GOOD)
     section = (
-        "header" if cut < 16 else "payload length" if cut < 16 + 24 else
-        "control map" if cut < len(data) - 18 else "payload"
+        "header"
+        if cut < 16
+        else "payload length"
+        if cut < 16 + 24
+        else "control map"
+        if cut < len(data) - 18
+        else "payload"
     )
     with pytest.raises(ProtocolError, match=f"truncated frame: end of stream after .* {section}"):
         read_stream(data + data[:cut])

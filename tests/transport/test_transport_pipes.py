@@ -1,4 +1,5 @@
 """The blocking fd end over real OS pipes, across processes, and the fd convention helpers."""
+
 from __future__ import annotations
 
 import fcntl
@@ -8,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.wire import EchoChild, assert_same_frame, echo_child, frames
 from hypothesis import given, settings
 
 from muxworker.transport import (
@@ -23,8 +25,6 @@ from muxworker.transport import (
     worker_fd_args,
     worker_fds,
 )
-
-from _wire_helpers import EchoChild, assert_same_frame, echo_child, frames
 
 MiB = 1 << 20
 
@@ -57,7 +57,7 @@ def test_round_trip_through_another_process(echo, frame):
 
 def test_frame_larger_than_the_pipe_needs_partial_writes(echo):
     big = np.random.default_rng(5).integers(0, 256, 5 * MiB + 3, dtype=np.uint8)
-    frame = Frame({"kind": "x"}, [big, b"tail", big[: 70_000]])
+    frame = Frame({"kind": "x"}, [big, b"tail", big[:70_000]])
     assert_same_frame(round_trip(echo, frame), frame)
 
 

@@ -1,4 +1,5 @@
 """The message schema: every kind's required, unknown and mistyped fields, ids, and the handshake."""
+
 from __future__ import annotations
 
 import copy
@@ -177,8 +178,19 @@ def test_every_kind_has_an_example():
 def test_message_kinds_are_the_documented_set():
     client = {k for k, s in MESSAGES.items() if s.sender == "client"}
     worker = {k for k, s in MESSAGES.items() if s.sender == "worker"}
-    assert client == {"open", "close", "reset", "generate", "cancel", "tokenize", "detokenize",
-                      "chat_template", "export", "restore", "info"}
+    assert client == {
+        "open",
+        "close",
+        "reset",
+        "generate",
+        "cancel",
+        "tokenize",
+        "detokenize",
+        "chat_template",
+        "export",
+        "restore",
+        "info",
+    }
     assert worker == {"hello", "heartbeat", "ok", "token", "done", "error", "tokens", "text", "checkpoint"}
 
 
@@ -402,7 +414,10 @@ def test_newer_minor_version_is_accepted():
 def test_other_major_version_is_refused_clearly(major):
     # A future major version may change anything else in the hello too; the version is checked first.
     control = {"kind": "hello", "protocol": [major, 0], "entirely": "different"}
-    with pytest.raises(ProtocolError, match=f"worker speaks protocol {major}.0 but this client speaks 1.1; the major versions must match"):
+    with pytest.raises(
+        ProtocolError,
+        match=f"worker speaks protocol {major}.0 but this client speaks 1.1; the major versions must match",
+    ):
         check_hello(control)
 
 

@@ -3,6 +3,7 @@
 Every test runs both the direct fd path (``trio.lowlevel.FdStream``: readv/writev into the
 frame's buffers) and the generic path (any trio stream: receive_some/send_all).
 """
+
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from helpers.wire import assert_same_frame, echo_child, frames
 from hypothesis import given, settings
 
 from muxworker.transport import (
@@ -22,8 +24,6 @@ from muxworker.transport import (
     encode_frame,
     make_pipe,
 )
-
-from _wire_helpers import assert_same_frame, echo_child, frames
 
 MiB = 1 << 20
 
@@ -73,6 +73,7 @@ async def echo_round_trip(echo_fds, path: str, batch: list[Frame]) -> list[Frame
     got: list[Frame | None] = []
     try:
         async with trio.open_nursery() as nursery:
+
             async def send_all() -> None:
                 for frame in batch:
                     await writer.send(frame)
@@ -151,6 +152,7 @@ async def test_cancelled_receive_resumes_the_same_frame(path):
     os.write(w, data[:100])  # part of the control map
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
+
             async def receive() -> None:
                 await reader.receive()
                 pytest.fail("the frame cannot be complete yet")

@@ -5,6 +5,7 @@ The code lives in four subpackages, ``muxworker.client`` (the trio client, store
 (the worker process, engine, backends and model files) and ``muxworker.native`` (C helpers), plus
 the terminal chat ``muxworker.chat``. This file only names the version; it imports nothing else.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version

@@ -10,6 +10,7 @@
   worker's wire error ``CheckpointRejected``; the file layer's errors derive from
   :class:`CheckpointError`, which is not.
 """
+
 from __future__ import annotations
 
 from .codec import MANIFEST_VERSION, MAX_PAYLOADS, checkpoint_from_wire, checkpoint_to_wire

@@ -4,10 +4,12 @@ On the wire a checkpoint is a small control map (the *manifest*) plus a list of 
 the map names by index. The bytes never ride inside the map, so a 300,000-token history keeps the map
 under a kilobyte. Decoding validates every field and returns zero-copy views of the payloads.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,14 +98,13 @@ def checkpoint_from_wire(manifest: Any, payloads: Sequence[Any]) -> CPUCheckpoin
     """
     m = _expect_map(manifest, "manifest")
     _expect_keys(
-        m, "manifest",
+        m,
+        "manifest",
         {"version", "format", "geometry", "position", "identity", "token_ids", "layers", "draft"},
     )
     version = _check_int(m["version"], "manifest.version", 0, 1 << 31)
     if version != MANIFEST_VERSION:
-        raise CheckpointMalformed(
-            f"manifest version {version} is not supported (expected {MANIFEST_VERSION})"
-        )
+        raise CheckpointMalformed(f"manifest version {version} is not supported (expected {MANIFEST_VERSION})")
     if len(payloads) > MAX_PAYLOADS:
         raise CheckpointMalformed(f"{len(payloads)} payloads is over the bound of {MAX_PAYLOADS}")
     used = [False] * len(payloads)
@@ -113,25 +114,19 @@ def checkpoint_from_wire(manifest: Any, payloads: Sequence[Any]) -> CPUCheckpoin
         _expect_keys(r, where, {"payload", "dtype", "shape"})
         index = r["payload"]
         if type(index) is not int or not 0 <= index < len(payloads):
-            raise CheckpointMalformed(
-                f"{where}.payload must index one of the {len(payloads)} payloads, got {index!r}"
-            )
+            raise CheckpointMalformed(f"{where}.payload must index one of the {len(payloads)} payloads, got {index!r}")
         if used[index]:
             raise CheckpointMalformed(f"{where} reuses payload {index}")
         used[index] = True
         name = r["dtype"]
         if not isinstance(name, str) or name not in _PAYLOAD_DTYPES:
-            raise CheckpointMalformed(
-                f"{where}.dtype must be one of {sorted(_PAYLOAD_DTYPES)}, got {name!r}"
-            )
+            raise CheckpointMalformed(f"{where}.dtype must be one of {sorted(_PAYLOAD_DTYPES)}, got {name!r}")
         dtype = _PAYLOAD_DTYPES[name]
         shape = r["shape"]
         if not isinstance(shape, list) or not 1 <= len(shape) <= 4:
             raise CheckpointMalformed(f"{where}.shape must be a list of 1 to 4 sizes, got {shape!r}")
         if not all(type(n) is int and 0 <= n <= _MAX_EXTENT for n in shape):
-            raise CheckpointMalformed(
-                f"{where}.shape must list integers in [0, {_MAX_EXTENT}], got {shape!r}"
-            )
+            raise CheckpointMalformed(f"{where}.shape must list integers in [0, {_MAX_EXTENT}], got {shape!r}")
         expected = math.prod(shape) * dtype.itemsize
         try:
             view = memoryview(payloads[index])
@@ -141,8 +136,7 @@ def checkpoint_from_wire(manifest: Any, payloads: Sequence[Any]) -> CPUCheckpoin
             raise CheckpointMalformed(f"payload {index} is not contiguous")
         if view.nbytes != expected:
             raise CheckpointMalformed(
-                f"payload {index} ({where}) holds {view.nbytes} bytes; "
-                f"{name} {list(shape)} needs {expected}"
+                f"payload {index} ({where}) holds {view.nbytes} bytes; {name} {list(shape)} needs {expected}"
             )
         if view.ndim != 1 or view.format not in ("B", "b", "c"):
             view = view.cast("B") if view.nbytes else memoryview(b"")
@@ -192,9 +186,7 @@ def checkpoint_from_wire(manifest: Any, payloads: Sequence[Any]) -> CPUCheckpoin
             if not isinstance(name, str) or name in _DRAFT_RESERVED or len(name) > _MAX_STR:
                 raise CheckpointMalformed(f"manifest.draft.arrays has an invalid name {name!r}")
             if _expect_map(r, f"manifest.draft.arrays.{name}").get("dtype") not in ("int32", dtype_name):
-                raise CheckpointMalformed(
-                    f"manifest.draft.arrays.{name}.dtype must be int32 or {dtype_name!r}"
-                )
+                raise CheckpointMalformed(f"manifest.draft.arrays.{name}.dtype must be int32 or {dtype_name!r}")
             draft[name] = array_of(r, f"manifest.draft.arrays.{name}")
     unused = [i for i, u in enumerate(used) if not u]
     if unused:

@@ -9,6 +9,7 @@
   unsafe path, or the system refused a read or write. It is not a ``CheckpointRejected``, so
   ``except CheckpointRejected`` around a restore does not also catch a missing file.
 """
+
 from __future__ import annotations
 
 import errno
@@ -89,7 +90,6 @@ class CheckpointReadError(_OSFailure):
     """The system refused or failed a read of a checkpoint file (permission denied, I/O error)."""
 
 
-
 # errno -> (reason, what to tell the user). EPERM is what root gets from an immutable (chattr +i)
 # file or directory, so it reads as "permission denied" too.
 _REASONS: dict[int, tuple[str, str]] = {
@@ -111,4 +111,3 @@ def os_failure(cls: type[_OSFailure], exc: OSError, what: str, *, after: str = "
     code = errno.errorcode.get(exc.errno or 0)
     detail = f"{code}: {exc.strerror}" if code and exc.strerror else str(exc)
     return cls(f"{what}: {phrase} [{detail}]{after}", reason=reason, errno=exc.errno)
-

@@ -13,6 +13,7 @@ Loading verifies every checksum before returning, bounds every size before alloc
 touches device state. Checksums detect corruption, not tampering: load only trusted files. Every
 failure is a :class:`~.errors.CheckpointError` (never a raw OSError).
 """
+
 from __future__ import annotations
 
 import errno
@@ -22,7 +23,8 @@ import os
 import secrets
 import stat
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -71,7 +73,6 @@ _FILE_KEYS_V1 = {"session_id", "checkpoint", "payloads", "file_length"}
 _FILE_KEYS = {1: _FILE_KEYS_V1, 2: _FILE_KEYS_V1 | {"identity_inputs"}}
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Public file API
 
@@ -100,8 +101,14 @@ def save_checkpoint(
         raise os_failure(CheckpointWriteError, e, f"cannot save {path!r}: its directory cannot be opened") from None
     try:
         write_checkpoint_file(
-            checkpoint, dir_fd, name, temp_prefix=name, session_id=None, max_bytes=max_bytes,
-            display=path, identity_inputs=identity_inputs,
+            checkpoint,
+            dir_fd,
+            name,
+            temp_prefix=name,
+            session_id=None,
+            max_bytes=max_bytes,
+            display=path,
+            identity_inputs=identity_inputs,
         )
     finally:
         os.close(dir_fd)
@@ -122,9 +129,12 @@ def load_checkpoint(
     given; with ``expected_inputs`` the error names each model file and setting that differs).
     """
     _, checkpoint = read_checkpoint_file(
-        os.fspath(path), expected_identity=expected_identity, max_bytes=max_bytes,
+        os.fspath(path),
+        expected_identity=expected_identity,
+        max_bytes=max_bytes,
         expected_inputs=expected_inputs,
     )
+    assert checkpoint is not None  # not manifest_only, so the payloads were read
     return checkpoint
 
 
@@ -137,7 +147,7 @@ def _align(n: int) -> int:
 
 
 def _byte_view(array: np.ndarray) -> memoryview:
-    view = memoryview(array)
+    view = array.data  # arrays written here are C-contiguous
     return view.cast("B") if view.nbytes else memoryview(b"")
 
 
@@ -151,9 +161,7 @@ def _encode(
     views = [_byte_view(a) for a in arrays]
     total = sum(v.nbytes for v in views)
     if total > max_bytes:
-        raise CheckpointTooLarge(
-            f"checkpoint holds {total} payload bytes, over the limit of {max_bytes}"
-        )
+        raise CheckpointTooLarge(f"checkpoint holds {total} payload bytes, over the limit of {max_bytes}")
     crcs = [crc32c(v) for v in views]
     # The manifest records the payload offsets, which depend on the manifest's length: grow the
     # header block in 4 KiB steps until the manifest fits in front of the first payload.
@@ -169,10 +177,7 @@ def _encode(
             {
                 "session_id": session_id,
                 "checkpoint": wire,
-                "payloads": [
-                    {"offset": o, "length": v.nbytes, "crc32c": c}
-                    for o, v, c in zip(offsets, views, crcs)
-                ],
+                "payloads": [{"offset": o, "length": v.nbytes, "crc32c": c} for o, v, c in zip(offsets, views, crcs)],
                 "file_length": file_length,
                 "identity_inputs": None if inputs is None else inputs.to_wire(),
             },
@@ -187,7 +192,7 @@ def _encode(
     head = _HEADER.pack(MAGIC, FILE_VERSION, len(manifest)) + manifest
     head_crc = crc32c(head)
     head += _CRC.pack(head_crc)
-    trailer = _TRAILER.pack(TRAILER_MAGIC, file_length, head_crc, 0)[:-_CRC.size]
+    trailer = _TRAILER.pack(TRAILER_MAGIC, file_length, head_crc, 0)[: -_CRC.size]
     trailer += _CRC.pack(crc32c(trailer))
     return head, list(zip(offsets, views)), trailer
 
@@ -277,7 +282,9 @@ def write_checkpoint_file(
         os.fsync(dir_fd)
     except OSError as e:
         raise os_failure(
-            CheckpointWriteError, e, f"{what} (flushing the directory)",
+            CheckpointWriteError,
+            e,
+            f"{what} (flushing the directory)",
             after="; the new file replaced the previous one but may not survive a crash",
         ) from None
 
@@ -374,9 +381,7 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
             f"{', '.join(map(str, _READABLE_VERSIONS))}"
         )
     try:
-        manifest = msgpack.unpackb(
-            memoryview(block)[:manifest_len], raw=False, strict_map_key=True, use_list=True
-        )
+        manifest = msgpack.unpackb(memoryview(block)[:manifest_len], raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several types for damaged input
         raise CheckpointCorrupt(f"{path!r}: manifest is not valid msgpack ({e})") from None
     keys = _FILE_KEYS[version]
@@ -397,9 +402,7 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
     return manifest, head_crc, _HEADER.size + manifest_len + _CRC.size
 
 
-def _payload_table(
-    manifest: dict, head_end: int, size: int, max_bytes: int, path: str
-) -> list[tuple[int, int, int]]:
+def _payload_table(manifest: dict, head_end: int, size: int, max_bytes: int, path: str) -> list[tuple[int, int, int]]:
     """(offset, length, crc) of every payload after checking layout, file size and max_bytes."""
     table = manifest["payloads"]
     file_length = manifest["file_length"]
@@ -419,16 +422,12 @@ def _payload_table(
         cursor = _align(offset + length)
     total = sum(length for _, length, _ in out)
     if total > max_bytes:
-        raise CheckpointTooLarge(
-            f"{path!r} holds {total} payload bytes, over the limit of {max_bytes}"
-        )
+        raise CheckpointTooLarge(f"{path!r} holds {total} payload bytes, over the limit of {max_bytes}")
     expected_length = out[-1][0] + out[-1][1] + _TRAILER.size
     if file_length != expected_length:
         raise CheckpointCorrupt(f"{path!r}: manifest file_length disagrees with its payload table")
     if size != file_length:
-        raise CheckpointCorrupt(
-            f"{path!r} is {size} bytes but its manifest says {file_length}: truncated or extended"
-        )
+        raise CheckpointCorrupt(f"{path!r} is {size} bytes but its manifest says {file_length}: truncated or extended")
     return out
 
 
@@ -438,14 +437,12 @@ def _check_format_supported(wire: Any, path: str) -> None:
         return  # the full validation below reports it as corrupt
     if wire.get("version") != MANIFEST_VERSION:
         raise CheckpointIncompatible(
-            f"{path!r} uses checkpoint manifest version {wire.get('version')!r}; "
-            f"this build reads {MANIFEST_VERSION}"
+            f"{path!r} uses checkpoint manifest version {wire.get('version')!r}; this build reads {MANIFEST_VERSION}"
         )
     fmt = wire.get("format")
     if isinstance(fmt, dict) and fmt.get("layout_version") != LAYOUT_VERSION:
         raise CheckpointIncompatible(
-            f"{path!r} uses KV layout version {fmt.get('layout_version')!r}; "
-            f"this build reads {LAYOUT_VERSION}"
+            f"{path!r} uses KV layout version {fmt.get('layout_version')!r}; this build reads {LAYOUT_VERSION}"
         )
 
 
@@ -500,8 +497,12 @@ def read_checkpoint_file(
             if found != expected_identity:
                 raise CheckpointIncompatible(
                     _identity_mismatch(
-                        path, found, expected_identity, manifest.get("identity_inputs"),
-                        expected_inputs, expected_label,
+                        path,
+                        found,
+                        expected_identity,
+                        manifest.get("identity_inputs"),
+                        expected_inputs,
+                        expected_label,
                     )
                 )
         table = _payload_table(manifest, head_end, st.st_size, max_bytes, path)

@@ -6,14 +6,16 @@ session store; a file saved under one identity does not load under another. The
 :class:`IdentityInputs` it was computed from are kept beside it so that a mismatch can say which
 file or setting differs. Blocking I/O (it reads every model file): call it from a thread in async code.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from muxworker.native import crc32c
 from muxworker.transport.errors import InvalidArgument

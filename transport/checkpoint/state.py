@@ -10,10 +10,12 @@ The draft model's state stays a dict (``{"geometry", "layers", <array name>: nda
 worker's speculative decoder builds and reads it by key, and its extra arrays travel under their
 names, so a typed class would change what the engine exchanges with this module.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,9 +52,7 @@ def numpy_storage_dtype(name: str) -> np.dtype:
     try:
         return _STORAGE_DTYPES[name]
     except (KeyError, TypeError):
-        raise CheckpointMalformed(
-            f"unsupported KV dtype {name!r}; expected one of {sorted(_STORAGE_DTYPES)}"
-        ) from None
+        raise CheckpointMalformed(f"unsupported KV dtype {name!r}; expected one of {sorted(_STORAGE_DTYPES)}") from None
 
 
 def required_rows(window: int | None, position: int) -> tuple[int, int]:
@@ -126,9 +126,7 @@ class CPUCheckpoint:
         position = _check_int(self.position, "position", 1, _MAX_POSITION)
         tok = self.token_ids
         if not isinstance(tok, np.ndarray) or tok.dtype != _PAYLOAD_DTYPES["int32"] or tok.ndim != 1:
-            raise CheckpointMalformed(
-                f"token_ids must be a 1-D int32 numpy array, got {_describe(tok)}"
-            )
+            raise CheckpointMalformed(f"token_ids must be a 1-D int32 numpy array, got {_describe(tok)}")
         if tok.shape[0] != position:
             raise CheckpointMalformed(
                 f"len(token_ids) == {tok.shape[0]} but position == {position}; they must be equal"
@@ -141,12 +139,8 @@ class CPUCheckpoint:
         _check_layers(self.layers, self.geometry, storage, position, "layers")
         if self.draft is not None:
             _check_draft(self.draft, self.format["dtype"], position)
-        if self.identity is not None and not (
-            isinstance(self.identity, str) and 0 < len(self.identity) <= _MAX_STR
-        ):
-            raise CheckpointMalformed(
-                f"identity must be None or a nonempty string of at most {_MAX_STR} characters"
-            )
+        if self.identity is not None and not (isinstance(self.identity, str) and 0 < len(self.identity) <= _MAX_STR):
+            raise CheckpointMalformed(f"identity must be None or a nonempty string of at most {_MAX_STR} characters")
 
     @property
     def draft_position(self) -> int | None:
@@ -173,23 +167,20 @@ class CPUCheckpoint:
     def validate_restore_position(self, position: int) -> None:
         """Raise :class:`CheckpointRetentionError` unless every layer can continue from ``position``."""
         if isinstance(position, bool) or not isinstance(position, (int, np.integer)):
-            raise CheckpointRetentionError(
-                f"restore position must be an integer, got {type(position).__name__}"
-            )
+            raise CheckpointRetentionError(f"restore position must be an integer, got {type(position).__name__}")
         position = int(position)
         if position == 0:
-            raise CheckpointRetentionError(
-                "restore position 0 restores nothing; open a fresh session instead"
-            )
+            raise CheckpointRetentionError("restore position 0 restores nothing; open a fresh session instead")
         if not 1 <= position <= self.position:
             raise CheckpointRetentionError(
-                f"restore position {position} is outside [1, {self.position}] "
-                "(the checkpoint's committed history)"
+                f"restore position {position} is outside [1, {self.position}] (the checkpoint's committed history)"
             )
         groups = [("layer", self.geometry, self.layers, position)]
         if self.draft is not None:
             # A draft that lags the target continues from where its own rows end.
-            at = min(position, self.draft_position)
+            draft_at = self.draft_position
+            assert draft_at is not None  # a draft always has a position
+            at = min(position, draft_at)
             groups.append(("draft layer", self.draft["geometry"], self.draft["layers"], at))
         for what, geometry, layers, at in groups:
             for i, (window, layer) in enumerate(zip(geometry["windows"], layers)):
@@ -200,7 +191,6 @@ class CPUCheckpoint:
                         f"from {at} but retains only [{layer.start}, "
                         f"{layer.start + layer.rows}); choose another checkpoint or a fresh prefill"
                     )
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,9 +265,7 @@ def _check_format(fmt: Any, where: str = "format") -> str:
     numpy_storage_dtype(fmt["dtype"])
     layout = _check_int(fmt["layout_version"], f"{where}.layout_version", 0, 1 << 31)
     if layout != LAYOUT_VERSION:
-        raise CheckpointMalformed(
-            f"{where}.layout_version {layout} is not supported (expected {LAYOUT_VERSION})"
-        )
+        raise CheckpointMalformed(f"{where}.layout_version {layout} is not supported (expected {LAYOUT_VERSION})")
     _check_extras(fmt, where, {"backend", "dtype", "layout_version"})
     return fmt["dtype"]
 
@@ -302,10 +290,7 @@ def _check_geometry(geometry: Any, where: str) -> None:
     _check_extras(g, where, _GEOMETRY_KEYS)
 
 
-
-def _check_layers(
-    layers: Any, geometry: dict, storage: np.dtype, position: int, where: str
-) -> None:
+def _check_layers(layers: Any, geometry: dict, storage: np.dtype, position: int, where: str) -> None:
     if not isinstance(layers, list) or len(layers) != geometry["num_layers"]:
         raise CheckpointMalformed(
             f"{where} must be a list of {geometry['num_layers']} LayerState "
@@ -319,25 +304,17 @@ def _check_layers(
         start = _check_int(layer.start, f"{w}.start", 0, position)
         for part in ("keys", "values"):
             a = getattr(layer, part)
-            if (
-                not isinstance(a, np.ndarray)
-                or a.ndim != 3
-                or a.shape[1:] != (kv, d)
-                or a.dtype != storage
-            ):
+            if not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[1:] != (kv, d) or a.dtype != storage:
                 raise CheckpointMalformed(
                     f"{w}.{part} must be a {storage} array of shape [n, {kv}, {d}], got {_describe(a)}"
                 )
             if not a.flags.c_contiguous:
                 raise CheckpointMalformed(f"{w}.{part} must be C-contiguous")
         if layer.keys.shape != layer.values.shape:
-            raise CheckpointMalformed(
-                f"{w}: keys {layer.keys.shape} and values {layer.values.shape} differ in shape"
-            )
+            raise CheckpointMalformed(f"{w}: keys {layer.keys.shape} and values {layer.values.shape} differ in shape")
         if start + layer.rows > position:
             raise CheckpointMalformed(
-                f"{w} holds positions [{start}, {start + layer.rows}) past the committed "
-                f"position {position}"
+                f"{w} holds positions [{start}, {start + layer.rows}) past the committed position {position}"
             )
 
 
@@ -359,9 +336,7 @@ def _check_draft(draft: Any, kv_dtype: str, position: int) -> None:
     if missing:
         raise CheckpointMalformed(f"draft lacks {sorted(missing)}")
     _check_geometry(d["geometry"], "draft.geometry")
-    _check_layers(
-        d["layers"], d["geometry"], _STORAGE_DTYPES[kv_dtype], position, "draft.layers"
-    )
+    _check_layers(d["layers"], d["geometry"], _STORAGE_DTYPES[kv_dtype], position, "draft.layers")
     for name, value in d.items():
         if name in _DRAFT_RESERVED:
             continue

@@ -1,11 +1,12 @@
 """Shared helpers for the transport tests: child processes on real pipes, frame comparison."""
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 from hypothesis import strategies as st
