@@ -27,11 +27,12 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from muxworker.client import GenerationParams, GenerationResult, GenerationStream, MultiplexedWorkerClient, SpecialText
+from muxworker.transport.sampling import SamplingFields
 
 __all__ = [
     "Conversation",
@@ -214,15 +215,9 @@ class Conversation:
 
 
 def _committed_generated(result: GenerationResult) -> list[int]:
-    """The generated tokens the worker committed to the session's history.
-
-    ``committed_tokens`` (when the client reports it) is how many of ``generated_token_ids`` were
-    committed: a turn cut by a stop string commits only through the last token its visible text
-    includes. Without it every generated token is committed (the worker's older rule).
-    """
-    ids = list(result.generated_token_ids)
-    committed = getattr(result, "committed_tokens", None)
-    return ids if committed is None else ids[:committed]
+    """The generated tokens the worker committed to the session's history: ``committed_tokens`` of
+    them (a turn cut by a stop string keeps only those whose text was shown)."""
+    return list(result.generated_token_ids[: result.committed_tokens])
 
 
 async def _flatten(client: MultiplexedWorkerClient, segments: list[Any]) -> list[int]:
@@ -245,15 +240,7 @@ CHAT_SAMPLING_DEFAULTS: dict[str, float] = {
     "repetition_penalty": 1.1,
     "presence_penalty": 0.0,
 }
-# The value of each field that leaves sampling unchanged (the worker's defaults).
-_NEUTRAL: dict[str, float] = {
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-}
+_NEUTRAL = SamplingFields()  # the value of each field that leaves sampling unchanged
 _GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -292,30 +279,15 @@ def chat_sampling(model_dir: Path, overrides: dict[str, float | None]) -> tuple[
 def check_sampling(sampling: dict[str, Any], max_new_tokens: int) -> None:
     """Raise InvalidArgument naming a field out of range, by the worker's own rules, so a bad flag
     stops the chat at start rather than failing every turn."""
-    try:
-        from muxworker.transport.sampling import SamplingFields
-    except ImportError:  # a muxworker without the shared definition: the worker checks each turn
-        return
-    known = {f.name for f in fields(SamplingFields)}
-    SamplingFields(max_new_tokens=max_new_tokens, **{k: v for k, v in sampling.items() if k in known}).validate()
+    SamplingFields(max_new_tokens=max_new_tokens, **sampling).validate()
 
 
-def generation_params(
-    session_id: str, max_new_tokens: int, sampling: dict[str, Any]
-) -> tuple[GenerationParams, list[str]]:
-    """``(params, fields this client cannot send)``.
-
-    Sampling fields the installed ``GenerationParams`` does not have are left out and named, but
-    only when they would change anything: at their neutral value leaving them out is the same.
-    """
-    known = {f.name for f in fields(GenerationParams)}
-    kwargs = {k: v for k, v in sampling.items() if k in known}
-    unsupported = [k for k, v in sampling.items() if k not in known and v != _NEUTRAL.get(k)]
-    return GenerationParams(session_id=session_id, max_new_tokens=max_new_tokens, **kwargs), unsupported
+def generation_params(session_id: str, max_new_tokens: int, sampling: dict[str, Any]) -> GenerationParams:
+    return GenerationParams(session_id=session_id, max_new_tokens=max_new_tokens, **sampling)
 
 
 def describe_sampling(sampling: dict[str, float]) -> str:
-    shown = [f"{k} {v:g}" for k, v in sampling.items() if k == "temperature" or v != _NEUTRAL.get(k)]
+    shown = [f"{k} {v:g}" for k, v in sampling.items() if k == "temperature" or v != getattr(_NEUTRAL, k)]
     return ", ".join(shown) + (" (greedy)" if sampling.get("temperature", 0) == 0 else "")
 
 

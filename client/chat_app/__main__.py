@@ -332,10 +332,8 @@ class _Chat:
         """Raises WorkerDiedError once the conversation's transcript is saved as far as it got."""
         if not await self._open(client):
             return 1
-        self.params, unsupported = generation_params(self.name, self.args.max_new_tokens, self.sampling)
+        self.params = generation_params(self.name, self.args.max_new_tokens, self.sampling)
         _info(f"sampling: {describe_sampling(self.sampling)} (from {self.sampling_source})")
-        if unsupported:
-            _info(f"this muxworker cannot send {', '.join(unsupported)} yet; sampling without it")
         try:
             await self._loop(client)
             self.state = "busy"
