@@ -26,7 +26,6 @@ from muxworker.client.checkpoint import (
     CheckpointWriteError,
     CPUCheckpoint,
     LayerState,
-    checkpoint_identity,
     load_checkpoint,
     save_checkpoint,
 )
@@ -195,83 +194,7 @@ def test_file_errors_share_one_root_that_is_not_the_workers_rejection():
 
 
 # ---------------------------------------------------------------------------------------------
-# Identity
-
-
-def _files(tmp_path, *contents: bytes):
-    paths = []
-    for i, content in enumerate(contents):
-        p = tmp_path / f"f{i}.bin"
-        p.write_bytes(content)
-        paths.append(p)
-    return paths
-
-
-CONFIG = {"backend": "torch", "dtype": "float32", "rope": {"theta": 10000.0}, "draft": None}
-
-
-def test_identity_is_stable_for_the_same_files_and_configuration(tmp_path):
-    a = _files(tmp_path, b"weights" * 1000, b"tokenizer")
-    first = checkpoint_identity(a, CONFIG)
-    assert len(first) == 64 and int(first, 16) >= 0
-    assert checkpoint_identity([str(p) for p in a], dict(reversed(CONFIG.items()))) == first
-    copies = tmp_path / "elsewhere"
-    copies.mkdir()
-    moved = _files(copies, b"weights" * 1000, b"tokenizer")
-    assert checkpoint_identity(moved, CONFIG) == first  # paths do not count, bytes do
-
-
-def test_identity_changes_with_any_byte_order_boundary_or_setting(tmp_path):
-    base_bytes = bytearray(os.urandom(3 * 2**20 + 17))  # spans several 1 MiB hashing chunks
-    a, b = _files(tmp_path, bytes(base_bytes), b"tok")
-    reference = checkpoint_identity([a, b], CONFIG)
-    seen = {reference}
-
-    def variant(files, config=CONFIG):
-        digest = checkpoint_identity(files, config)
-        assert digest not in seen
-        seen.add(digest)
-
-    for offset in (0, 2**20 - 1, 2**20, len(base_bytes) - 1):
-        changed = bytearray(base_bytes)
-        changed[offset] ^= 1
-        (x,) = _files(_subdir(tmp_path, offset), bytes(changed))
-        variant([x, b])
-    (longer,) = _files(_subdir(tmp_path, "long"), bytes(base_bytes) + b"\0")
-    variant([longer, b])
-    variant([b, a])  # order
-    ab, c = _files(_subdir(tmp_path, "split1"), b"ab", b"c")
-    a2, bc = _files(_subdir(tmp_path, "split2"), b"a", b"bc")
-    variant([ab, c])
-    variant([a2, bc])  # same concatenation, other boundary
-    variant([a], CONFIG)
-    variant([a, b], {**CONFIG, "dtype": "bfloat16"})
-    variant([a, b], {**CONFIG, "rope": {"theta": 500000.0}})
-    variant([a, b], {**CONFIG, "draft": {"n_draft": 7}})
-
-
-def _subdir(tmp_path, name):
-    d = tmp_path / f"v{name}"
-    d.mkdir()
-    return d
-
-
-def test_identity_rejects_a_single_path_and_non_json_configuration(tmp_path):
-    (a,) = _files(tmp_path, b"x")
-    with pytest.raises(InvalidArgument, match="single path"):
-        checkpoint_identity(str(a), CONFIG)
-    with pytest.raises(InvalidArgument, match="list of paths"):
-        checkpoint_identity(7, CONFIG)
-    with pytest.raises(InvalidArgument, match="hold paths"):
-        checkpoint_identity([a, 7], CONFIG)
-    with pytest.raises(InvalidArgument, match="configuration must be a dict"):
-        checkpoint_identity([a], [("backend", "torch")])
-    with pytest.raises(InvalidArgument, match="NaN"):
-        checkpoint_identity([a], {"x": float("nan")})
-    with pytest.raises(InvalidArgument, match="JSON"):
-        checkpoint_identity([a], {"x": object()})
-    with pytest.raises(InvalidArgument, match="missing.*cannot be read"):
-        checkpoint_identity([tmp_path / "missing"], CONFIG)
+# Identity (how it is computed and cached: tests/transport/test_checkpoint_identity.py)
 
 
 def test_expected_identity_mismatch_is_incompatible(saved, tmp_path):
