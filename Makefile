@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 # The MLX backend: Metal on macOS, the CPU build on Linux (so it is built and tested here too).
 MLX_SPEC ?= $(if $(filter Darwin,$(shell uname -s)),mlx==0.32.4,mlx[cpu]==0.32.4)
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench bench-peer clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,11 +43,30 @@ lint: $(PY)
 	cd $(TYPECHECK) && ../../$(PY) -m mypy --config-file ../../pyproject.toml \
 		-p muxworker.worker -p muxworker.client -p muxworker.transport -p muxworker.native
 
+# make demo DEMO_ARGS="--threads 1 --dtype float32 --weights float"
+DEMO_ARGS ?=
 demo: $(PY)
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 bench: $(PY)
 	$(PY) scripts/bench.py
+
+# The side-by-side benchmark against llama.cpp (not part of `make test`). llama-cpp-python has only
+# a source distribution on the registry, so it is built here, once, into its own venv (6-10 minutes
+# on 2 cores). AMX stays off: llama.cpp built with AMX segfaults on these VMs.
+PEER_VENV := .venv-peer
+PEER_PY   := $(PEER_VENV)/bin/python
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+PEER_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+$(PEER_PY):
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_PY) -m pip --disable-pip-version-check install -q --upgrade "pip>=24"
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(PEER_PY) -m pip --disable-pip-version-check install -q --no-cache-dir "$(LLAMA_CPP_SPEC)"
+
+bench-peer: $(PY) $(PEER_PY)
+	$(PY) scripts/bench_vs_llamacpp.py --peer-python $(PEER_PY)
 
 clean:
 	rm -rf build *.egg-info native/_crc32c*.so native/_crc32c*.c

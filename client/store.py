@@ -70,6 +70,7 @@ class ConfigurationMismatch(CheckpointIncompatible):
 _WORKER_FACTS = {
     "backend": lambda info: info.backend,
     "dtype": lambda info: info.dtype,
+    "weights": lambda info: info.weights,
     "device": lambda info: info.device,
     "architecture": lambda info: info.model.architecture,
     "vocab_size": lambda info: info.model.vocab_size,

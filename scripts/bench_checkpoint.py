@@ -50,7 +50,7 @@ async def run(args, backend: str = "torch") -> list[dict]:
     command = default_worker_command(
         model_dir, backend=backend, dtype=args.dtype, max_sessions=3, max_session_tokens=top, prefill_chunk_tokens=512
     )
-    config = worker_configuration(backend=backend, dtype=args.dtype)
+    config = worker_configuration(backend=backend, dtype=args.dtype, model_dir=model_dir)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         store_dir = Path(tmp) / "sessions"

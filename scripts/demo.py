@@ -5,7 +5,7 @@ a SessionStore, closes the worker, starts a new one, resumes the session and con
 conversation. Then it prints what a cold start of that last turn would have cost next to the
 resumed one, measured in the same run.
 
-    python scripts/demo.py [--model PATH] [--store DIR] [--dtype float32]
+    python scripts/demo.py [--model PATH] [--store DIR] [--dtype auto] [--weights quantized|float] [--threads N]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import trio
 
 from muxworker.chat import Conversation
 from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker
+from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import resolve_model
 
@@ -39,11 +40,15 @@ def _say(role: str, text: str) -> None:
 async def demo(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model, progress=sys.stderr)
     store_dir = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="muxworker-demo-")) / "sessions"
-    config = worker_configuration(backend="torch", dtype=args.dtype)
-    command = default_worker_command(model_dir, dtype=args.dtype, max_sessions=2, max_session_tokens=4096)
+    config = worker_configuration(backend="torch", dtype=args.dtype, weights=args.weights, model_dir=model_dir)
+    command = default_worker_command(
+        model_dir, dtype=args.dtype, weights=args.weights, threads=args.threads, max_sessions=2, max_session_tokens=4096
+    )
     params = GenerationParams(session_id=SESSION, max_new_tokens=args.max_new_tokens, temperature=0)
 
-    print(f"model: {model_dir.name} ({args.dtype}), session store: {store_dir}\n")
+    print(
+        f"model: {model_dir.name} (dtype {config['dtype']}, weights {config['weights']}), session store: {store_dir}\n"
+    )
     print("1. A worker starts and the conversation begins.")
     t0 = time.perf_counter()
     store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
@@ -101,7 +106,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--store", default=None, help="session store directory (default: a temporary one)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="the worker's --dtype (default: auto)")
+    ap.add_argument(
+        "--weights", default=None, choices=WEIGHTS_CHOICES, help="the worker's --weights (default: the model's)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="the worker's --threads (default: one per physical core)")
     ap.add_argument("--max_new_tokens", type=int, default=48)
     trio.run(demo, ap.parse_args())
 

@@ -125,6 +125,7 @@ class WorkerInfo:
     dtype: str
     limits: dict[str, Any] = field(default_factory=dict)
     readiness: str = "ready"  # at the hello; a 1.0 worker does not say, and sends its hello when ready
+    weights: str = "float"  # "quantized", "int4", "int8" or "float"; a worker before 0.2 does not say
 
     @classmethod
     def from_hello(cls, hello: dict[str, Any]) -> WorkerInfo:
@@ -150,4 +151,5 @@ class WorkerInfo:
             dtype=hello["dtype"],
             limits=dict(hello["limits"]),
             readiness=hello.get("readiness", "ready"),
+            weights=hello.get("weights", "float"),
         )

@@ -409,7 +409,8 @@ MESSAGES: dict[str, MessageSpec] = {
     # worker -> client
     "hello": _worker(
         "The worker's first frame: its protocol version and what it serves. `readiness` (1.1, sent to "
-        "a client that passed `--heartbeat_ms`): `ready` once the engine takes work.",
+        "a client that passed `--heartbeat_ms`): `ready` once the engine takes work. `weights`: "
+        "`quantized` (a GGUF's 4-bit tensors kept 4-bit), `int4`/`int8` (quantized at load) or `float`.",
         {
             "protocol": ListOf(Int(0, 255), min_len=2, max_len=2),
             "model": AnyMap(),
@@ -418,7 +419,7 @@ MESSAGES: dict[str, MessageSpec] = {
             "dtype": Str(),
             "limits": AnyMap(),
         },
-        {"readiness": OneOfStr(READINESS)},
+        {"readiness": OneOfStr(READINESS), "weights": Str()},
     ),
     "heartbeat": _worker(
         "1.1: sent every `--heartbeat_ms` while the worker is busy and has written nothing else, so "
@@ -531,6 +532,7 @@ def hello_control(
     dtype: str,
     limits: Mapping[str, Any],
     readiness: str | None = None,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """The worker's hello control map for this protocol version (``readiness`` only for a 1.1 client)."""
     control = {
@@ -544,6 +546,8 @@ def hello_control(
     }
     if readiness is not None:
         control["readiness"] = readiness
+    if weights is not None:
+        control["weights"] = weights
     return control
 
 

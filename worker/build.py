@@ -20,9 +20,9 @@ from muxworker.transport.errors import InvalidArgument
 from muxworker.worker.backends.interface import Executor, planned_nbytes
 from muxworker.worker.engine import Engine, EngineConfig
 from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.models.defaults import DTYPE_NAMES, resolve_weights
 from muxworker.worker.models.loader import ModelFiles, load_model_dir, resolve_model
 from muxworker.worker.models.tokenizer import Tokenizer
-from muxworker.worker.options import DTYPE_NAMES
 
 
 class BackendUnavailableError(ValueError):
@@ -38,6 +38,7 @@ class LoadedModel:
     name: str
     backend: str = "torch"
     device: str = "cpu"
+    weights: str = "float"  # resolve_weights: "quantized", "int4", "int8" or "float"
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,15 @@ def load_model(
     progress: TextIO | None = sys.stderr,
     backend: str = "torch",
     check: Callable[[ModelArgs, str, str], None] | None = None,
+    weights: str | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Resolve ``path`` (None: the bundled SmolLM2), convert a GGUF if needed, and load it on ``backend``.
 
     ``check(args, device, dtype)`` runs once the model's config is known, before any weight is
-    loaded, so an impossible configuration fails before it allocates anything."""
+    loaded, so an impossible configuration fails before it allocates anything. ``weights`` and
+    ``quantize`` are the --weights and --quantize flags (None: the model's default; see
+    :func:`muxworker.worker.models.defaults.resolve_weights`)."""
     be = get_backend(backend)
     device_str = str(torch.device(device)) if backend == "torch" else str(device)
     dt = dtype_name(dtype)
@@ -126,10 +131,17 @@ def load_model(
     args = ModelArgs.from_dict(files.config)
     if check is not None:
         check(args, device_str, dt)
-    model = be.load(files, args, device=device_str, dtype=dt)
+    resolved = resolve_weights(weights, model_dir, be.name, quantize)
+    if be.name == "torch":
+        kept = "quantized" if resolved == "quantized" else "float"  # int4/int8: float weights quantized at load
+        model = be.load(files, args, device=device_str, dtype=dt, weights=kept, quantize=quantize)
+    elif resolved != "float":
+        raise BackendUnavailableError(f"the {be.name} backend loads float weights only, not --weights {resolved}")
+    else:
+        model = be.load(files, args, device=device_str, dtype=dt)
     tokenizer = Tokenizer.from_model_files(files)
     name = files.config.get("_name_or_path") or Path(model_dir).name
-    return LoadedModel(files, args, model, tokenizer, str(name), be.name, device_str)
+    return LoadedModel(files, args, model, tokenizer, str(name), be.name, device_str, resolved)
 
 
 def load_engine(
@@ -141,6 +153,8 @@ def load_engine(
     progress: TextIO | None = sys.stderr,
     backend: str = "torch",
     draft: str | os.PathLike[str] | None = None,
+    weights: str | None = None,
+    quantize: str | None = None,
 ) -> Engine:
     """Load the model at ``path`` and, with ``draft``, a draft model for speculative decoding that
     proposes ``config.n_draft`` tokens per step (same tokenizer, device and dtype)."""
@@ -160,6 +174,8 @@ def load_engine(
         progress=progress,
         backend=backend,
         check=lambda a, d, t: check(a, d, t, "model"),
+        weights=weights,
+        quantize=quantize,
     )
     be = get_backend(loaded.backend)
     slots = config.max_sessions + config.prefix_cache_entries
@@ -185,6 +201,7 @@ def load_engine(
         model_path=str(loaded.files.path),
         draft=draft_executor,
         draft_name=draft_name,
+        weights=loaded.weights,
     )
 
 

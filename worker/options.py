@@ -14,12 +14,19 @@ from typing import Any
 from muxworker.transport.fdio import FDS_ENV
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.models.args import ConfigError
+from muxworker.worker.models.defaults import (
+    DTYPE_CHOICES,
+    DTYPE_NAMES,
+    QUANTIZE_CHOICES,
+    WEIGHTS_CHOICES,
+    default_threads,
+    resolve_dtype,
+)
 
 __all__ = ["BACKENDS", "DTYPE_NAMES", "UsageError", "WorkerOptions", "build_parser", "parse_args"]
 
 BACKENDS = ("torch", "mlx")
 LATER_BACKENDS: tuple[str, ...] = ()
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # weights, activations and KV; checkpoints use the same names
 
 
 class UsageError(Exception):
@@ -95,9 +102,27 @@ _MODEL_FLAGS: _Flags = [
     (
         ("--dtype",),
         dict(
-            choices=DTYPE_NAMES,
-            help="weights, activations and KV cache dtype (default: float32 on cpu, bfloat16 on cuda; "
-            "float16 needs cuda)",
+            choices=DTYPE_CHOICES,
+            default="auto",
+            help="activations, KV cache and float weights (default: auto = bfloat16 on cuda and on CPUs with "
+            "native bfloat16 (AVX512-BF16 or AMX), float32 elsewhere; float16 needs cuda)",
+        ),
+    ),
+    (
+        ("--weights",),
+        dict(
+            choices=WEIGHTS_CHOICES,
+            help="quantized: a quantized GGUF's Q4_0/Q4_1/Q4_K tensors stay 4-bit and run the int4 CPU kernel; "
+            "float: every tensor dequantized to --dtype (exactly the GGUF's values with --dtype float32) "
+            "(default: quantized for a GGUF on torch, float otherwise)",
+        ),
+    ),
+    (
+        ("--quantize",),
+        dict(
+            choices=QUANTIZE_CHOICES,
+            help="quantize a float (Hugging Face) model's linear weights at load: int4 (group 32, min/max; "
+            "the output layer stays dense) or int8 (per output row); torch on cpu (default: none)",
         ),
     ),
 ]
@@ -107,8 +132,8 @@ _PROCESS_FLAGS: _Flags = [
         dict(
             type=_positive_int,
             metavar="N",
-            help="CPU threads for torch (default: torch's own choice, one per core); on a shared machine "
-            "fewer threads than cores avoid oversubscription",
+            help="CPU threads for torch (default: one per physical core this process may use, here "
+            f"{default_threads()}); on a shared machine fewer threads than cores avoid oversubscription",
         ),
     ),
     (
@@ -169,10 +194,12 @@ class WorkerOptions:
     model: str | None
     backend: str
     device: str
-    dtype: str
+    dtype: str  # resolved: never "auto"
     config: EngineConfig
     draft: str | None = None
     threads: int | None = None
+    weights: str | None = None  # None: the model's default (muxworker.worker.models.defaults.resolve_weights)
+    quantize: str | None = None
     heartbeat_ms: int | None = None  # None: a protocol 1.0 client (no heartbeats, no hello readiness)
 
 
@@ -189,11 +216,28 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
         raise UsageError("--draft needs --n_draft N >= 1 (tokens drafted per step)")
     if ns.draft is None and ns.n_draft != 0:
         raise UsageError("--n_draft needs --draft PATH (a draft model)")
-    dtype = ns.dtype or ("float32" if ns.device == "cpu" else "bfloat16")
+    dtype = resolve_dtype(ns.dtype, ns.device, ns.backend)
     if ns.backend == "torch" and ns.device == "cpu" and dtype == "float16":
         raise UsageError("--dtype float16 is not supported on --device cpu; use float32 or bfloat16")
+    if ns.quantize is not None and ns.weights is not None:
+        raise UsageError("--quantize quantizes a float model at load; it does not combine with --weights")
+    if ns.quantize is not None and (ns.backend != "torch" or ns.device != "cpu"):
+        raise UsageError("--quantize runs the int4/int8 CPU kernels: it needs --backend torch --device cpu")
+    if ns.weights == "quantized" and ns.backend != "torch":
+        raise UsageError("--weights quantized needs --backend torch (the mlx backend loads float weights)")
     try:
         config = EngineConfig(**{name: getattr(ns, name) for name in _ENGINE_FLAGS})
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    return WorkerOptions(ns.model, ns.backend, ns.device, dtype, config, ns.draft, ns.threads, ns.heartbeat_ms)
+    return WorkerOptions(
+        ns.model,
+        ns.backend,
+        ns.device,
+        dtype,
+        config,
+        draft=ns.draft,
+        threads=ns.threads if ns.threads is not None else default_threads(),
+        weights=ns.weights,
+        quantize=ns.quantize,
+        heartbeat_ms=ns.heartbeat_ms,
+    )

@@ -539,6 +539,7 @@ def _hello(engine: Engine, *, protocol_1_1: bool = True) -> dict[str, Any]:
         dtype=engine.dtype_name,
         limits=dataclasses.asdict(engine.config),
         readiness=engine.readiness.value if protocol_1_1 else None,
+        weights=engine.weights,
     )
 
 
@@ -615,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=options.dtype,
             backend=options.backend,
             draft=options.draft,
+            weights=options.weights,
+            quantize=options.quantize,
         )
     except Exception as exc:
         error = _load_error(exc)

@@ -34,6 +34,7 @@ from muxworker.client import (
     default_worker_command,
     spawn_multiplexed_worker,
 )
+from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import ModelLoadError, resolve_model
 
@@ -90,12 +91,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="model and KV dtype (default: float32); a session resumes only with the dtype it was saved with",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="activation and KV dtype (default: auto, the worker's --dtype auto); a session resumes only with "
+        "the dtype and weights it was saved with",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHTS_CHOICES,
+        help="the worker's --weights (default: quantized for a GGUF, float otherwise)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the worker (default: one per core)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for the worker (default: one per physical core)"
+    )
     p.add_argument(
         "--max_new_tokens", type=int, default=256, help="reply length limit; -1: the rest of the context (default: 256)"
     )
@@ -202,7 +212,13 @@ class _Chat:
             self.store = await SessionStore.create(
                 store_dir,
                 model_files=model_identity_files(self.model_dir),
-                configuration=worker_configuration(backend="torch", dtype=args.dtype),
+                configuration=worker_configuration(
+                    backend="torch",
+                    dtype=args.dtype,
+                    device=args.device,
+                    weights=args.weights,
+                    model_dir=self.model_dir,
+                ),
             )
             self.store.path_for(self.name)  # checks the session name
             self._transcript_path(self.name).parent.mkdir(mode=0o700, exist_ok=True)
@@ -212,6 +228,7 @@ class _Chat:
         command = default_worker_command(
             self.model_dir,
             dtype=args.dtype,
+            weights=args.weights,
             device=args.device,
             threads=args.threads,
             max_sessions=1,

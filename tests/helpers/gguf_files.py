@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import torch
 
+from muxworker.worker.models.gguf_tensors import unpermute_rotary_rows
 from muxworker.worker.models.loader import resolve_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -65,11 +66,17 @@ def write_tiny_gguf(
     claimed_ffn: int | None = None,
     add_bos: bool = False,
     seed: int = 0,
+    linear_type: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a random llama GGUF the way llama.cpp would; return the Hugging Face tensors it encodes.
 
     `claimed_ffn` writes a feed_forward_length that disagrees with the tensors. Most tensors are F32; attn_norm is F16 and (with quantize_down) ffn_down is Q8_0, so the
     returned tensors hold exactly the values the file can represent.
+
+    `linear_type` (a GGML type name: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", ...) writes all seven
+    linear weights of every block in that type (quantized by the gguf package; Q4_K, which it cannot
+    quantize, as random valid blocks; K-quants need input sizes that are multiples of 256), and
+    returns their dequantized values: the gguf package's dequantizer is the oracle.
     """
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_head
@@ -118,13 +125,25 @@ def write_tiny_gguf(
         gate, up, down = rand(ffn, hidden), rand(ffn, hidden), rand(hidden, ffn)
         attn_norm = (1 + rand(hidden)).astype(np.float16)
         ffn_norm = 1 + rand(hidden)
-        w.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(q, n_head))
-        w.add_tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(k, n_kv_head))
-        w.add_tensor(f"blk.{i}.attn_v.weight", v)
-        w.add_tensor(f"blk.{i}.attn_output.weight", o)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", gate)
-        w.add_tensor(f"blk.{i}.ffn_up.weight", up)
-        if quantize_down:
+        if linear_type is not None:
+            qq = _add_quantized(w, f"blk.{i}.attn_q.weight", llama_cpp_permute(q, n_head), linear_type, rng)
+            kk = _add_quantized(w, f"blk.{i}.attn_k.weight", llama_cpp_permute(k, n_kv_head), linear_type, rng)
+            q, k = unpermute_rotary_rows(qq, n_head), unpermute_rotary_rows(kk, n_kv_head)
+            v = _add_quantized(w, f"blk.{i}.attn_v.weight", v, linear_type, rng)
+            o = _add_quantized(w, f"blk.{i}.attn_output.weight", o, linear_type, rng)
+            gate = _add_quantized(w, f"blk.{i}.ffn_gate.weight", gate, linear_type, rng)
+            up = _add_quantized(w, f"blk.{i}.ffn_up.weight", up, linear_type, rng)
+            down = _add_quantized(w, f"blk.{i}.ffn_down.weight", down, linear_type, rng)
+        else:
+            w.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(q, n_head))
+            w.add_tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(k, n_kv_head))
+            w.add_tensor(f"blk.{i}.attn_v.weight", v)
+            w.add_tensor(f"blk.{i}.attn_output.weight", o)
+            w.add_tensor(f"blk.{i}.ffn_gate.weight", gate)
+            w.add_tensor(f"blk.{i}.ffn_up.weight", up)
+        if linear_type is not None:
+            pass
+        elif quantize_down:
             packed = gguf.quants.quantize(down, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(f"blk.{i}.ffn_down.weight", packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             # What the file holds: the oracle is the gguf package's own dequantizer.
@@ -153,7 +172,36 @@ def write_tiny_gguf(
     return {name: torch.from_numpy(np.array(value)) for name, value in hf.items()}
 
 
+def _add_quantized(w: gguf.GGUFWriter, name: str, values: np.ndarray, type_name: str, rng) -> np.ndarray:
+    """Write ``values`` [rows, cols] as ``type_name``; return what the file holds, dequantized."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        # 144-byte blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of codes.
+        rows, cols = values.shape
+        n = rows * cols // 256
+        blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+        blocks[:, 0:2] = (rng.random(n) * 0.01 + 1e-4).astype(np.float16).view(np.uint8).reshape(n, 2)
+        blocks[:, 2:4] = (rng.random(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+        packed = blocks.reshape(rows, cols // 256 * 144)
+    else:
+        packed = gguf.quants.quantize(values, qtype)
+    w.add_tensor(name, packed, raw_dtype=qtype)
+    return gguf.quants.dequantize(packed, qtype).reshape(values.shape)
+
+
 def converted_smollm(base: Path) -> Path:
     """The bundled SmolLM2 converted into a cache under `base`. Every test module passes the
     session's base temp dir, so the conversion runs once per session and later calls hit the cache."""
     return resolve_model(None, progress=None, cache_dir=base / "muxworker-cache")
+
+
+def exported_smollm(base: Path) -> Path:
+    """The bundled SmolLM2 exported as a full float32 Hugging Face directory (model.safetensors),
+    which transformers can load: the oracle's view of our conversion. Once per session."""
+    from muxworker.worker.models.convert import convert_gguf
+    from muxworker.worker.models.loader import bundled_gguf_path
+
+    out = base / "smollm-export"
+    if not (out / "config.json").is_file():
+        convert_gguf(bundled_gguf_path(), out, progress=None, weights="copy")
+    return out

@@ -30,6 +30,7 @@ from muxworker.transport.framing import (
     encode_frame,
     payload_array,
 )
+from muxworker.worker.models.defaults import auto_dtype
 from muxworker.worker.server import EXIT_INTERNAL, EXIT_OK, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE
 
 WORKER = [sys.executable, "-m", "muxworker.worker"]
@@ -170,7 +171,9 @@ def test_hello_describes_model_backend_and_limits(model, tmp_path):
         assert hello["model"]["vocab_size"] == 384
         assert hello["model"]["context_length"] == 4096
         assert hello["model"]["has_chat_template"] is True
-        assert (hello["backend"], hello["device"], hello["dtype"]) == ("torch", "cpu", "float32")
+        # --dtype auto: bfloat16 on a CPU with native bfloat16, else float32.
+        assert (hello["backend"], hello["device"], hello["dtype"]) == ("torch", "cpu", auto_dtype("cpu"))
+        assert hello["weights"] == "float"  # an HF directory
         assert hello["limits"]["max_sessions"] == 3
         assert hello["limits"]["max_session_tokens"] == 256
         assert hello["limits"]["seed"] == 7

@@ -106,6 +106,7 @@ class Engine:
         model_path: str = "",
         draft: Executor | None = None,
         draft_name: str = "",
+        weights: str = "float",
     ) -> None:
         """``draft``: a draft model's executor for speculative decoding (with ``config.n_draft`` > 0);
         it must share the target's vocabulary (the caller checks that the tokenizers agree), dtype
@@ -116,6 +117,7 @@ class Engine:
         self.args = executor.args
         self.model_name = model_name
         self.model_path = model_path
+        self.weights = weights  # what the hello reports: muxworker.worker.models.defaults.resolve_weights
         self.readiness = Readiness.PENDING
         context = int(self.args.max_position_embeddings)
         if config.max_session_tokens > context:

@@ -2,14 +2,18 @@
 
     python -m muxworker.worker.models.convert MODEL.gguf OUT_DIR [--dtype float32|bfloat16|float16]
 
-Reads the file with the gguf package (memory-mapped), dequantizes every tensor with
-`gguf.quants.dequantize` (Q4_1, Q8_0, K-quants, F16, BF16, ...), undoes llama.cpp's rotary row
-permutation of attn_q/attn_k, and writes config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json and generation_config.json.
+Reads the file with the gguf package (memory-mapped), undoes llama.cpp's rotary row permutation of
+attn_q/attn_k, and writes config.json, tokenizer.json, tokenizer_config.json and
+generation_config.json, plus the weights in one of two ways:
 
-Weights are stored as float32 by default: dequantized values are exact in float32, so a float32
-model reproduces the GGUF exactly, and 135M parameters are only ~540 MB. `--dtype bfloat16` halves
-that at the cost of rounding.
+- ``weights="copy"`` (the command line): model.safetensors with every tensor dequantized by
+  `gguf.quants.dequantize` (Q4_1, Q8_0, K-quants, F16, BF16, ...), a directory transformers can
+  load. float32 by default: dequantized values are exact in float32, so a float32 model reproduces
+  the GGUF exactly. `--dtype bfloat16` halves it at the cost of rounding.
+- ``weights="link"`` (what `resolve_model` caches): no copy at all. The directory links the GGUF
+  as model.gguf and records where each tensor lies in it (gguf_tensors.json, see gguf_tensors.py);
+  the worker reads quantized tensors straight from the memory-mapped file, keeping 4-bit weights
+  4-bit or dequantizing them at load (--weights quantized|float).
 
 Supported: general.architecture "llama" with a byte-level BPE vocabulary (tokenizer.ggml.model
 "gpt2"). Anything else is refused with `UnsupportedGGUFError` rather than converted approximately.
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -35,6 +38,15 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from muxworker.worker.models.gguf_tensors import (
+    BLOCK_TENSORS,
+    GGUF_LINK,
+    GGUFTensorError,
+    GGUFTensorIndex,
+    TensorEntry,
+    hf_tensor_name,
+    unpermute_rotary_rows,
+)
 from muxworker.worker.models.loader import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 
 __all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main", "read_gguf_metadata"]
@@ -71,57 +83,19 @@ def _require(metadata: dict[str, Any], key: str) -> Any:
 # Tensors
 
 
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a llama.cpp tensor name."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m[2] not in _BLOCK_TENSORS:
-        raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart we know of")
-    return f"model.layers.{m[1]}.{_BLOCK_TENSORS[m[2]]}.{m[3]}"
-
-
-def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permutation.
-
-    convert_hf_to_gguf.py reorders each head's rows from Hugging Face's rotate-half layout
-    (first half of the head, then second half) to GGML's interleaved pairs:
-        w.reshape(n_head, 2, D // 2, *rest).swapaxes(1, 2)
-    Viewing the GGUF rows as (n_head, D // 2, 2) and swapping back restores the original order.
-    Works for weights [n_head * D, in] and biases [n_head * D].
-    """
-    rows = w.shape[0]
-    if rows % (2 * n_head):
-        raise UnsupportedGGUFError(f"cannot split {rows} rows into {n_head} heads of rotary pairs")
-    # rows: (H, D/2, 2) -> (H, 2, D/2)
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 @dataclass(frozen=True)
 class _TensorPlan:
     hf_name: str
     source: Any  # gguf.ReaderTensor
     shape: tuple[int, ...]  # numpy/torch order (reversed GGML ne)
     rotary_heads: int | None  # set for attn_q/attn_k: heads to unpermute over
+
+    def entry(self) -> TensorEntry:
+        """Where this tensor lies in the GGUF file, for the tensor index of a linked directory."""
+        t = self.source
+        return TensorEntry(
+            self.hf_name, t.name, t.tensor_type.name, self.shape, int(t.data_offset), int(t.n_bytes), self.rotary_heads
+        )
 
 
 def _plan_tensors(reader: gguf.GGUFReader, n_head: int, n_kv_head: int, n_layer: int) -> list[_TensorPlan]:
@@ -134,12 +108,16 @@ def _plan_tensors(reader: gguf.GGUFReader, n_head: int, n_kv_head: int, n_layer:
             heads = n_kv_head
         # GGML lists ne0 (the contiguous dimension) first; numpy and torch list it last.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        plans.append(_TensorPlan(hf_tensor_name(t.name), t, shape, heads))
+        try:
+            name = hf_tensor_name(t.name)
+        except GGUFTensorError as e:
+            raise UnsupportedGGUFError(str(e)) from None
+        plans.append(_TensorPlan(name, t, shape, heads))
     names = {p.hf_name for p in plans}
     if len(names) != len(plans):
         raise InvalidModelError("GGUF file holds the same tensor twice")
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{hf}.weight" for i in range(n_layer) for hf in _BLOCK_TENSORS.values()
+        f"model.layers.{i}.{hf}.weight" for i in range(n_layer) for hf in BLOCK_TENSORS.values()
     }
     if missing := sorted(expected - names):
         raise InvalidModelError(
@@ -155,7 +133,10 @@ def _dequantize(plan: _TensorPlan) -> np.ndarray:
     # float32 for every type; F32 tensors come back as a view of the memory map.
     values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(plan.shape)
     if plan.rotary_heads is not None:
-        values = unpermute_rotary_rows(values, plan.rotary_heads)
+        try:
+            values = unpermute_rotary_rows(values, plan.rotary_heads)
+        except GGUFTensorError as e:
+            raise UnsupportedGGUFError(str(e)) from None
     return values
 
 
@@ -205,7 +186,7 @@ def _write_tensor(f: BinaryIO, values: np.ndarray, dtype: torch.dtype) -> None:
 # Config
 
 
-def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: torch.dtype) -> dict[str, Any]:
+def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: torch.dtype | None) -> dict[str, Any]:
     def key(name: str) -> str:
         return f"llama.{name}"
 
@@ -234,8 +215,9 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
         "tie_word_embeddings": "lm_head.weight" not in shapes,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if dtype is not None:  # a linked directory's weights keep the GGUF's types
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
     scaling = metadata.get(key("rope.scaling.type"), "none")
     if scaling == "linear":
         config["rope_scaling"] = {
@@ -462,8 +444,12 @@ def convert_gguf(
     *,
     dtype: torch.dtype = torch.float32,
     progress: TextIO | Literal["stderr"] | None = "stderr",
+    weights: Literal["copy", "link"] = "copy",
 ) -> Path:
     """Convert `gguf_path` into a new Hugging Face directory `out_dir`.
+
+    ``weights``: "copy" writes model.safetensors in ``dtype``; "link" writes no weights, only the
+    tensor index and a model.gguf symlink to the (absolute) `gguf_path` (see the module docstring).
 
     Everything is validated before anything is written; the files are written into a temporary
     directory beside `out_dir` and renamed into place, so `out_dir` either does not exist or is
@@ -473,6 +459,8 @@ def convert_gguf(
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     progress = progress_stream(progress)
+    if weights not in ("copy", "link"):
+        raise ValueError(f'weights must be "copy" or "link", got {weights!r}')
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
     if not gguf_path.is_file():
@@ -495,7 +483,7 @@ def convert_gguf(
     n_kv_head = int(metadata.get("llama.attention.head_count_kv", n_head))
     n_layer = int(_require(metadata, "llama.block_count"))
     plans = _plan_tensors(reader, n_head, n_kv_head, n_layer)
-    config = _model_config(metadata, plans, dtype)
+    config = _model_config(metadata, plans, dtype if weights == "copy" else None)
     tokenizer, tokenizer_config, generation_config = _build_tokenizer(metadata)
     if (n_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config["vocab_size"]:
         raise InvalidModelError(f"{n_tokens} tokens but the embedding has only {config['vocab_size']} rows")
@@ -506,7 +494,11 @@ def convert_gguf(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the model directory is an ordinary one
-        _write_safetensors(tmp / "model.safetensors", plans, dtype, progress)
+        if weights == "copy":
+            _write_safetensors(tmp / "model.safetensors", plans, dtype, progress)
+        else:
+            GGUFTensorIndex.write(tmp, [p.entry() for p in plans], gguf_path)
+            os.symlink(gguf_path.resolve(), tmp / GGUF_LINK)
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         _write_json(tmp / "generation_config.json", generation_config)

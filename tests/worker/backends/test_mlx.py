@@ -40,11 +40,12 @@ def backend(request):
 
 def make(model_dir, backend, *, dtype="float32", **cfg):
     cfg.setdefault("max_session_tokens", 512)
-    return load_engine(model_dir, EngineConfig(**cfg), dtype=dtype, backend=backend, progress=None)
+    # Float weights on both: MLX has no int4 path, and the comparisons are of the same weights.
+    return load_engine(model_dir, EngineConfig(**cfg), dtype=dtype, backend=backend, progress=None, weights="float")
 
 
 def executor(model_dir, backend, *, slots=2, max_tokens=256, dtype="float32", rollback_rows=0):
-    loaded = load_model(model_dir, backend=backend, dtype=dtype, progress=None)
+    loaded = load_model(model_dir, backend=backend, dtype=dtype, progress=None, weights="float")
     return get_backend(backend).executor(loaded.model, slots, max_tokens, rollback_rows, "cpu")
 
 
@@ -457,10 +458,10 @@ async def test_worker_subprocess_serves_mlx_and_takes_torch_checkpoints(tiny_mis
     with trio.fail_after(120):  # a hang guard, not a timing assertion
         async with (
             spawn_multiplexed_worker(
-                default_worker_command(tiny_mistral_dir, backend="torch", max_session_tokens=256)
+                default_worker_command(tiny_mistral_dir, backend="torch", dtype="float32", max_session_tokens=256)
             ) as t,
             spawn_multiplexed_worker(
-                default_worker_command(tiny_mistral_dir, backend="mlx", max_session_tokens=256)
+                default_worker_command(tiny_mistral_dir, backend="mlx", dtype="float32", max_session_tokens=256)
             ) as m,
         ):
             assert (t.info.backend, m.info.backend) == ("torch", "mlx")

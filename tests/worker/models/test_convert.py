@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.gguf_files import converted_smollm, write_tiny_gguf
+from helpers.gguf_files import converted_smollm, exported_smollm, write_tiny_gguf
 from safetensors import safe_open
 
 from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main, unpermute_rotary_rows
@@ -18,6 +18,13 @@ from muxworker.worker.models.loader import InvalidModelError, bundled_gguf_path,
 
 @pytest.fixture(scope="session")
 def smollm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The exported (weights="copy") directory, which transformers loads."""
+    return exported_smollm(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def linked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What resolve_model caches: no weights copied, the GGUF linked and indexed."""
     return converted_smollm(tmp_path_factory.getbasetemp())
 
 

@@ -58,8 +58,11 @@ def test_gguf_is_converted_once_into_the_cache(tmp_path: Path, monkeypatch: pyte
     first = resolve_model(tmp_path / "tiny.gguf", progress=progress, cache_dir=tmp_path / "cache")
     assert first.parent == tmp_path / "cache" / "models"
     assert first.name.startswith("tiny-")
-    assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
-    assert "converting" in progress.getvalue() and "converted 21/21 tensors" in progress.getvalue()
+    # No weights are copied: the directory links the GGUF and indexes its tensors.
+    assert (first / "config.json").is_file() and (first / "gguf_tensors.json").is_file()
+    assert not list(first.glob("*.safetensors"))
+    assert (first / "model.gguf").resolve() == (tmp_path / "tiny.gguf").resolve()
+    assert "converting" in progress.getvalue() and "converting 21 tensors" in progress.getvalue()
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.name]  # no temp dirs left
 
     def no_conversion(*args, **kwargs):
@@ -75,11 +78,14 @@ def test_changed_gguf_gets_a_new_cache_entry(tmp_path: Path) -> None:
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf_path, seed=0)
     first = resolve_model(gguf_path, progress=None, cache_dir=tmp_path / "cache")
-    write_tiny_gguf(gguf_path, seed=1)
+    original = write_tiny_gguf(gguf_path, seed=1)
     os.utime(gguf_path, ns=(0, os.stat(first / "config.json").st_mtime_ns + 10**9))
     second = resolve_model(gguf_path, progress=None, cache_dir=tmp_path / "cache")
     assert second != first
-    assert not torch.equal(load_state_dict(first)["model.norm.weight"], load_state_dict(second)["model.norm.weight"])
+    assert torch.equal(load_state_dict(second)["model.norm.weight"], original["model.norm.weight"])
+    # The old entry links the same path, now other bytes: refused, never read at the old offsets.
+    with pytest.raises(ValueError, match="changed since conversion"):
+        load_state_dict(first)
 
 
 def test_cache_location_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

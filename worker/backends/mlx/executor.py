@@ -24,6 +24,7 @@ from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
 from muxworker.worker.backends.interface import SeqSpan, check_batch
 from muxworker.worker.backends.mlx.cache import KVCache
 from muxworker.worker.backends.mlx.model import Transformer, build_model
+from muxworker.worker.models import gguf_tensors
 from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.loader import InvalidModelError, ModelFiles
 
@@ -59,7 +60,12 @@ def load_model(files: ModelFiles, args: ModelArgs, *, device: str, dtype: str) -
     except KeyError:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}") from None
     with mx.stream(resolve_device(device)):
-        return build_model(args, _load_state_dict(files.weight_files), dtype=dt)
+        if files.gguf:  # a converted GGUF: its tensors dequantized (MLX runs float weights)
+            index = gguf_tensors.GGUFTensorIndex.open(files.path)
+            state = {name: mx.array(index.dequantize(name)) for name in index.names()}
+        else:
+            state = _load_state_dict(files.weight_files)
+        return build_model(args, state, dtype=dt)
 
 
 def _load_state_dict(weight_files: Sequence[str | os.PathLike[str]]) -> dict[str, mx.array]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from muxworker.worker.backends.interface import CacheRetention, FullRetention, RingRetention
+from muxworker.worker.backends.torch.batch import DecodeBatch
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,11 @@ class LayerCache:
         raise NotImplementedError
 
     def decode_kv(
-        self, slots: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batched single-token decode: write row ``positions[b]`` of ``slots[b]`` ([B, KV, D] each)
-        and return padded keys/values [B, KV, L, D] with a mask [B, 1, 1, L] of the valid rows."""
+        self, batch: DecodeBatch, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Batched single-token decode: write position ``batch.positions[b]`` of ``batch.slots[b]``
+        ([B, KV, D] each) and return padded keys/values [B, KV, L, D] (read in place where the
+        slots allow) with a mask [B, 1, 1, L] of the valid rows, or None when every row is valid."""
         raise NotImplementedError
 
     def export_rows(
@@ -102,15 +104,18 @@ class FullLayerCache(FullRetention, LayerCache):
         self.v[slot, :, start:end] = v_new.transpose(0, 1)
         return AttentionKV(self.k[slot, :, :end], self.v[slot, :, :end], 0)
 
-    def decode_kv(self, slots, positions, k_new, v_new):
-        self.k[slots, :, positions] = k_new
-        self.v[slots, :, positions] = v_new
-        n = int(positions.max()) + 1
-        # Slice before indexing so only the n live rows of each slot are gathered.
-        k = self.k[:, :, :n][slots]
-        v = self.v[:, :, :n][slots]
-        mask = torch.arange(n, device=k.device) <= positions.unsqueeze(1)  # [B, L]
-        return k, v, mask[:, None, None, :]
+    def decode_kv(self, batch, k_new, v_new):
+        batch.write(self.k, batch.position_index if batch.size > 1 else batch.positions, k_new)
+        batch.write(self.v, batch.position_index if batch.size > 1 else batch.positions, v_new)
+        n = max(batch.positions) + 1
+
+        def build() -> torch.Tensor | None:
+            if batch.size == 1:
+                return None  # rows [0, p] are exactly the session's
+            mask = torch.arange(n, device=self.k.device) <= batch.position_index.unsqueeze(1)  # [B, L]
+            return mask[:, None, None, :]
+
+        return batch.read(self.k, n), batch.read(self.v, n), batch.mask(("full",), build)
 
     def export_rows(self, slot, length, position, floor=0):
         return 0, self.k[slot, :, :position].transpose(0, 1), self.v[slot, :, :position].transpose(0, 1)
@@ -180,23 +185,29 @@ class RingLayerCache(RingRetention, LayerCache):
         self.v[slot].index_copy_(1, idx, v_new[t - keep :].transpose(0, 1))
         return AttentionKV(k, v, lo)
 
-    def decode_kv(self, slots, positions, k_new, v_new):
+    def decode_kv(self, batch, k_new, v_new):
         w, c = self.window, self.capacity
-        self.k[slots, :, positions % c] = k_new
-        self.v[slots, :, positions % c] = v_new
-        n = min(int(positions.max()) + 1, c)
-        k = self.k[:, :, :n][slots]
-        v = self.v[:, :, :n][slots]
-        if c == w:
-            # Rows [0, min(p + 1, w)) hold positions inside the window (all w once p >= w - 1).
-            valid = torch.clamp(positions + 1, max=w)
-            mask = torch.arange(n, device=k.device) < valid.unsqueeze(1)
-        else:
-            # Row i holds position p - back, back = (p - i) mod C: valid when 0 <= p - back and
-            # back < W (the spare rows hold positions older than the window, or stale drafts).
-            back = (positions.unsqueeze(1) - torch.arange(n, device=k.device)) % c  # [B, L]
-            mask = (back < w) & (back <= positions.unsqueeze(1))
-        return k, v, mask[:, None, None, :]
+        rows = batch.position_index % c if batch.size > 1 else [batch.positions[0] % c]
+        batch.write(self.k, rows, k_new)
+        batch.write(self.v, rows, v_new)
+        n = min(max(batch.positions) + 1, c)
+        positions = batch.position_index
+
+        def build() -> torch.Tensor | None:
+            if c == w:
+                if batch.size == 1:
+                    return None  # rows [0, min(p + 1, w)) = [0, n) are all inside the window
+                # Rows [0, min(p + 1, w)) hold positions inside the window (all w once p >= w - 1).
+                valid = torch.clamp(positions + 1, max=w)
+                mask = torch.arange(n, device=self.k.device) < valid.unsqueeze(1)
+            else:
+                # Row i holds position p - back, back = (p - i) mod C: valid when 0 <= p - back and
+                # back < W (the spare rows hold positions older than the window, or stale drafts).
+                back = (positions.unsqueeze(1) - torch.arange(n, device=self.k.device)) % c  # [B, L]
+                mask = (back < w) & (back <= positions.unsqueeze(1))
+            return mask[:, None, None, :]
+
+        return batch.read(self.k, n), batch.read(self.v, n), batch.mask(("ring", w, c), build)
 
     def export_rows(self, slot, length, position, floor=0):
         # Every row the slot holds of the W positions before ``position`` (what ``retained`` at

@@ -8,7 +8,7 @@ and gets float32 logits back on the CPU, and it moves checkpoint rows through ``
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +17,8 @@ from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
 from muxworker.worker.backends.interface import SeqSpan, check_batch
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
+from muxworker.worker.backends.torch.quant import Int4Weight, Weight, quantize_int4, quantize_int8
+from muxworker.worker.models import gguf_tensors
 from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.loader import ModelFiles, load_state_dict
 
@@ -41,10 +43,72 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(files: ModelFiles, args: ModelArgs, *, device: str, dtype: str) -> Transformer:
-    """Load a model directory's weights into the torch model, cast to ``dtype``, on ``device``."""
-    state = load_state_dict(files.path, device="cpu")
-    return build_model(args, state, dtype=DTYPES[dtype], device=resolve_device(device))
+def load_model(
+    files: ModelFiles,
+    args: ModelArgs,
+    *,
+    device: str,
+    dtype: str,
+    weights: str = "float",
+    quantize: str | None = None,
+) -> Transformer:
+    """Load a model directory's weights into the torch model, in ``dtype``, on ``device``.
+
+    ``weights="quantized"``: a converted GGUF's Q4_0/Q4_1/Q4_K linear tensors stay 4-bit (the int4
+    kernel); the output layer (the tied embedding, or output.weight when it is not 4-bit) runs the
+    int8 kernel, requantized per row from its GGUF values (Q8_0 in the bundled model: int4 there
+    loses several percent of top-1 agreement, a dense bfloat16 head reads twice the bytes); every
+    other tensor (embeddings, norms, Q8_0/Q5/Q6 linears, F16) is dequantized to ``dtype``. ``quantize``: quantize a float model's linear weights at load,
+    "int4" (group 32, min/max; the output layer stays dense) or "int8" (per row, absmax).
+    """
+    dev = resolve_device(device)
+    dt = DTYPES[dtype]
+    state: dict[str, Weight]
+    if files.gguf and weights == "quantized":
+        if quantize is not None:
+            raise ValueError("--quantize applies to float models; a GGUF keeps its own quantization")
+        state = _gguf_state(files, dt)
+    else:
+        if weights == "quantized" and quantize is None:
+            raise ValueError(
+                f"{files.path} holds float weights: --weights quantized needs a quantized GGUF, "
+                "or --quantize int4|int8 to quantize at load"
+            )
+        state = dict(load_state_dict(files.path, device="cpu", dtype=dt if quantize is None else None))
+        if quantize is not None:
+            state = _quantize(state, quantize)
+    return build_model(args, state, dtype=dt, device=dev)
+
+
+def _is_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def _gguf_state(files: ModelFiles, dtype: torch.dtype) -> dict[str, Weight]:
+    index = gguf_tensors.GGUFTensorIndex.open(files.path)
+    state: dict[str, Weight] = {}
+    for name in index.names():
+        if (_is_linear(name) or name == "lm_head.weight") and index.type_of(name) in gguf_tensors.INT4_TYPES:
+            w = index.int4(name)
+            state[name] = Int4Weight.from_numpy(w.codes, w.scales, w.zeros)
+        elif name == "lm_head.weight":
+            state[name] = quantize_int8(torch.from_numpy(index.dequantize(name)))
+        else:
+            state[name] = torch.from_numpy(index.dequantize(name)).to(dtype)
+    if "lm_head.weight" not in state:  # tied: the head is the embedding, requantized for the int8 kernel
+        state["lm_head.weight"] = quantize_int8(torch.from_numpy(index.dequantize("model.embed_tokens.weight")))
+    return state
+
+
+def _quantize(state: dict[str, Weight], mode: str) -> dict[str, Weight]:
+    quantizers: dict[str, Callable[[torch.Tensor], Weight]] = {"int4": quantize_int4, "int8": quantize_int8}
+    if mode not in quantizers:
+        raise ValueError(f"--quantize must be one of {', '.join(quantizers)}, got {mode!r}")
+    out: dict[str, Weight] = {}
+    for name, w in state.items():
+        assert isinstance(w, torch.Tensor)
+        out[name] = quantizers[mode](w) if _is_linear(name) else w
+    return out
 
 
 class TorchExecutor:
@@ -55,7 +119,7 @@ class TorchExecutor:
         decoding verifies drafted tokens that way); sliding-window rings get that many spare rows."""
         self.model = model
         self.args = model.args
-        param = model.lm_head.weight
+        param = model.model.embed_tokens.weight
         self.device = param.device
         self.dtype = param.dtype
         model.setup_rope(max_session_tokens)

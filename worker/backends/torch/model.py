@@ -5,6 +5,15 @@ packed batch: the tokens of several sequences (decode tokens and prefill chunks)
 one flat [N] tensor, with a ``SeqSpan`` per sequence saying which cache slot and positions it covers.
 Linear layers run once over all N rows; attention runs per sequence against that sequence's cache.
 
+The q/k/v projections run as one fused ``qkv_proj`` and gate/up as one ``gate_up_proj`` (one
+matmul each per layer instead of three and two); ``build_model`` fuses the Hugging Face tensors at
+load, so checkpoints and state dicts keep Hugging Face names. A weight may arrive quantized
+(``quant.Int4Weight``/``Int8Weight``), and then its layer runs the int4/int8 CPU kernel.
+
+Every single-token decode in a batch, one session or many, takes the same grouped-matmul attention
+path (``_decode_attention``), so a session's tokens do not depend on whether it was batched; the
+sessions' cache rows are read in place when their slots are consecutive (the usual case).
+
 Dimension names: N packed tokens, H query heads, KV key/value heads, D head dim, C hidden size,
 L keys attended, V vocabulary.
 """
@@ -16,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.torch.batch import DecodeBatch
 from muxworker.worker.backends.torch.cache import KVCache
+from muxworker.worker.backends.torch.quant import Int4Weight, Int8Weight, Weight, quantized_linear
 from muxworker.worker.models.args import ModelArgs, rope_inv_freq
 
 
@@ -27,15 +38,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 as the reference implementation does, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel; it accumulates in float32 for bfloat16 input as the reference does (the
+        # reference rounds to the model dtype before scaling by the weight, this rounds once after).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in three ops: rotate_half(x) * sin is
+    ``roll(x, D/2) * [-sin, sin]``, with the sign folded into the precomputed table."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -47,10 +63,11 @@ class Attention(nn.Module):
         self.head_dim = args.head_size
         self.window = args.windows[layer_idx]
         c = args.hidden_size
-        self.q_proj = nn.Linear(c, self.n_heads * self.head_dim, bias=args.attention_bias)
-        self.k_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=args.attention_bias)
-        self.v_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
+        # Rows: H query heads, then KV key heads, then KV value heads (q_proj, k_proj, v_proj stacked).
+        self.qkv_proj: nn.Module = nn.Linear(
+            c, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=args.attention_bias
+        )
+        self.o_proj: nn.Module = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -59,28 +76,25 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [N, D]
         sin: torch.Tensor,  # [N, D]
         spans: list[SeqSpan],
+        decode: DecodeBatch | None,
         cache: KVCache,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
-        cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]
-        q = q * cos_ + rotate_half(q) * sin_
-        k = k * cos_ + rotate_half(k) * sin_
+        n, h, kvh = x.shape[0], self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
+        qk = _apply_rope(qkv[:, : h + kvh], cos.unsqueeze(1), sin.unsqueeze(1))  # q and k heads together
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
         layer_cache = cache.layers[self.layer_idx]
+        gqa = kvh != h
         out = torch.empty_like(q)  # [N, H, D]
-        gqa = self.n_kv != self.n_heads
-        decode = [s for s in spans if s.length == 1]
-        if len(decode) > 1:
-            # All single-token decodes in one padded attention call: one kernel launch, not B.
-            rows = torch.tensor([s.offset for s in decode], device=x.device)
-            slots = torch.tensor([s.slot for s in decode], device=x.device)
-            pos = torch.tensor([s.start for s in decode], device=x.device)
-            kb, vb, valid = layer_cache.decode_kv(slots, pos, k[rows], v[rows])  # [B, KV, L, D]
-            out[rows] = _decode_attention(q[rows], kb, vb, valid, self.scale)
-            spans = [s for s in spans if s.length != 1]
+        if decode is not None:
+            kb, vb, valid = layer_cache.decode_kv(decode, decode.take(k), decode.take(v))
+            o = _decode_attention(decode.take(q), kb, vb, valid, self.scale)
+            if decode.size == n and isinstance(decode.rows, slice):  # decode only, in row order
+                return self.o_proj(o.view(n, h * self.head_dim))
+            out[decode.rows] = o
         for s in spans:
+            if s.length == 1:
+                continue  # in the decode batch
             span = slice(s.offset, s.offset + s.length)
             kv = layer_cache.attention_kv(s.slot, s.start, k[span], v[span])
             qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
@@ -88,36 +102,36 @@ class Attention(nn.Module):
             vs = kv.v.unsqueeze(0)
             mask: torch.Tensor | None = None
             causal = False
-            if s.length > 1:
-                if kv.lo == s.start == 0 and (self.window is None or s.length <= self.window):
-                    causal = True
-                else:
-                    qpos = torch.arange(s.start, s.start + s.length, device=x.device).unsqueeze(1)
-                    kpos = torch.arange(kv.lo, kv.lo + ks.shape[2], device=x.device).unsqueeze(0)
-                    mask = kpos <= qpos
-                    if self.window is not None:
-                        mask &= kpos > qpos - self.window
+            if kv.lo == s.start == 0 and (self.window is None or s.length <= self.window):
+                causal = True
+            else:
+                qpos = torch.arange(s.start, s.start + s.length, device=x.device).unsqueeze(1)
+                kpos = torch.arange(kv.lo, kv.lo + ks.shape[2], device=x.device).unsqueeze(0)
+                mask = kpos <= qpos
+                if self.window is not None:
+                    mask &= kpos > qpos - self.window
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
             )
             out[span] = o[0].transpose(0, 1)  # [T, H, D]
-        return self.o_proj(out.view(n, self.n_heads * self.head_dim))
+        return self.o_proj(out.view(n, h * self.head_dim))
 
 
 def _decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k: torch.Tensor,  # [B, KV, L, D]
     v: torch.Tensor,  # [B, KV, L, D]
-    mask: torch.Tensor,  # [B, 1, 1, L] bool, True = attend
+    mask: torch.Tensor | None,  # [B, 1, 1, L] bool, True = attend; None: every row
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
     """One query per sequence. Two batched matmuls with the query heads grouped by KV head: for a
     single query row this is several times cheaper on CPU than the fused SDPA kernel with a mask."""
     b, h, d = q.shape
     kv = k.shape[1]
-    qg = q.view(b, kv, h // kv, d)  # [B, KV, G, D]
+    qg = q.reshape(b, kv, h // kv, d)  # [B, KV, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, KV, G, L]
-    scores = scores.masked_fill(~mask, float("-inf"))  # mask broadcasts over KV and G
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # mask broadcasts over KV and G
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(b, h, d)
 
@@ -126,12 +140,13 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         c, f = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(c, f, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(c, f, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(f, c, bias=args.mlp_bias)
+        self.intermediate = f
+        self.gate_up_proj: nn.Module = nn.Linear(c, 2 * f, bias=args.mlp_bias)  # gate_proj rows, then up_proj
+        self.down_proj: nn.Module = nn.Linear(f, c, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -142,8 +157,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spans, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, cache)
+    def forward(self, x, cos, sin, spans, decode, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, decode, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,14 +188,14 @@ class Transformer(nn.Module):
         """Precompute cos/sin for positions [0, max_positions) (idempotent)."""
         if max_positions <= self._rope_max:
             return
-        device = self.lm_head.weight.device
+        device = self.model.embed_tokens.weight.device
         inv = torch.tensor(rope_inv_freq(self.args), dtype=torch.float32, device=device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        dtype = self.lm_head.weight.dtype
+        dtype = self.model.embed_tokens.weight.dtype
         self._cos = emb.cos().to(dtype)
-        self._sin = emb.sin().to(dtype)
+        self._sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype)  # signed for _apply_rope
         self._rope_max = max_positions
 
     @torch.inference_mode()
@@ -196,8 +211,9 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be equal 1-D")
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.model.embed_tokens(tokens)  # [N, C]
+        decode = DecodeBatch.of(spans, tokens.device)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, spans, cache)
+            x = layer(x, cos, sin, spans, decode, cache)
         h = self.model.norm(x[logits_rows])  # [B, C]
         return self.lm_head(h).float()
 
@@ -210,19 +226,67 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
 }
 
 
+# Fused module -> the Hugging Face modules whose weights it stacks, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _hf_parameter_names(model: Transformer) -> set[str]:
+    """The Hugging Face names of ``model``'s parameters (fused modules under their parts' names)."""
+    names: set[str] = set()
+    for name in model.state_dict().keys():
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                names.update(name.replace(fused, part) for part in parts)
+                break
+        else:
+            names.add(name)
+    return names
+
+
+def _stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    """Weights of one fused module: quantized ones of the same kind stay quantized, any mix is dense."""
+    kinds = {type(p) for p in parts}
+    if kinds == {Int4Weight}:
+        return Int4Weight.cat(parts)  # type: ignore[arg-type]
+    if kinds == {Int8Weight}:
+        return Int8Weight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
+
+
+def _fuse(sd: dict[str, Weight], n_layers: int, dtype: torch.dtype) -> dict[str, Weight]:
+    out = dict(sd)
+    for i in range(n_layers):
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if all(n in out for n in names):
+                    out[f"model.layers.{i}.{fused}.{kind}"] = _stack([out.pop(n) for n in names], dtype)
+    return out
+
+
 def build_model(
-    args: ModelArgs, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device | str
+    args: ModelArgs, state_dict: dict[str, Weight], *, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
-    """Instantiate the model for ``args.architecture`` and load ``state_dict`` strictly."""
+    """Instantiate the model for ``args.architecture`` and load ``state_dict`` strictly.
+
+    ``state_dict`` holds Hugging Face names; a value may be quantized (``Int4Weight``/``Int8Weight``),
+    and its linear layer then runs the quantized kernel (``quant.quantized_linear``)."""
     cls = ARCHITECTURES.get(args.architecture)
     if cls is None:
         raise ValueError(f"no model class for architecture {args.architecture!r}")
+    device = torch.device(device)
     with torch.device("meta"):
         model = cls(args)
     sd = dict(state_dict)
-    if args.tie_word_embeddings:
+    # A tied model shares the embedding as its output layer, unless the head comes quantized (the
+    # embedding stays dense for the lookup, the head runs a quantized kernel).
+    tied = args.tie_word_embeddings and isinstance(sd.get("lm_head.weight", torch.empty(0)), torch.Tensor)
+    if tied:
         sd.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict().keys() if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {k for k in _hf_parameter_names(model) if not (tied and k == "lm_head.weight")}
     missing = sorted(expected - sd.keys())
     unexpected = sorted(k for k in sd.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
@@ -230,13 +294,24 @@ def build_model(
             f"weights do not match {args.architecture}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
+    sd = _fuse(sd, args.num_hidden_layers, dtype)
+    quantized = {name.removesuffix(".weight") for name, w in sd.items() if not isinstance(w, torch.Tensor)}
+    if "model.embed_tokens" in quantized or "model.norm" in quantized:
+        raise ValueError("embeddings and norms must be dense tensors")
     model = model.to_empty(device=device)
     with torch.no_grad():
         params = dict(model.named_parameters())
-        for name in expected:
-            params[name].copy_(sd[name].to(dtype))
+        for name, value in sd.items():
+            if isinstance(value, torch.Tensor) and name.removesuffix(".bias") not in quantized:
+                params[name].copy_(value.to(dtype))
     model.to(dtype)
-    if args.tie_word_embeddings:
+    for module_name in sorted(quantized):
+        parent_name, _, attr = module_name.rpartition(".")
+        weight = sd[f"{module_name}.weight"]
+        bias = sd.get(f"{module_name}.bias")
+        assert not isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        setattr(model.get_submodule(parent_name), attr, quantized_linear(weight, bias, dtype, device))
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     return model

@@ -1,0 +1,101 @@
+"""How close the quantized path is to the float reference: teacher-forced top-1 agreement.
+
+For each of three chat prompts, the reference (the GGUF dequantized to float32, ``--weights float
+--dtype float32``) generates 64 greedy tokens; then every configuration scores prompt + those 64
+tokens in one forward pass, and we count the positions where its top-1 token equals the
+reference's. Also the largest absolute logit difference and the mean KL divergence from the
+reference, so "close" has a number.
+
+    python scripts/bench_quant_accuracy.py [--model PATH] [--positions 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.build import load_engine
+from muxworker.worker.engine.config import EngineConfig
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one paragraph."}],
+    [
+        {"role": "system", "content": "You are a terse coding assistant."},
+        {"role": "user", "content": "Write a Python function that reverses a linked list, with a docstring."},
+    ],
+    [{"role": "user", "content": "Explain in simple words why the sky is blue."}],
+]
+# (label, --dtype, --weights, --quantize)
+CONFIGS = [
+    ("quantized bfloat16 (default here)", "bfloat16", "quantized", None),
+    ("quantized float32", "float32", "quantized", None),
+    ("float bfloat16", "bfloat16", "float", None),
+]
+
+
+def _forward(engine, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of one prefill in slot 0 (float32, CPU)."""
+    ex = engine.executor
+    n = len(ids)
+    return ex.forward(ids, list(range(n)), [SeqSpan(0, 0, n, 0)], list(range(n)))
+
+
+def _greedy(engine, ids: list[int], n: int) -> list[int]:
+    ex = engine.executor
+    out: list[int] = []
+    logits = _forward(engine, ids)[-1]
+    pos = len(ids)
+    for _ in range(n):
+        tok = int(logits.argmax())
+        out.append(tok)
+        logits = ex.forward([tok], [pos], [SeqSpan(0, pos, 1, 0)], [0])[0]
+        pos += 1
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF or model directory (default: the bundled SmolLM2 Q4_1)")
+    ap.add_argument("--positions", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(max_sessions=1, max_session_tokens=1024, prefix_cache_entries=0)
+
+    def engine(dtype: str, weights: str, quantize: str | None):
+        return load_engine(args.model, config, dtype=dtype, weights=weights, quantize=quantize, progress=None)
+
+    reference = engine("float32", "float", None)
+    tok = reference.tokenizer
+    sequences = []
+    for chat in CHATS:
+        prompt = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True), parse_special=True)
+        sequences.append((prompt, _greedy(reference, prompt, args.positions)))
+    ref_logits = [_forward(reference, p + g)[len(p) - 1 : len(p) - 1 + len(g)] for p, g in sequences]
+    del reference
+
+    print(f"teacher-forced top-1 agreement with the float32 dequantized model, {args.positions} positions x 3 chats")
+    print("| configuration | top-1 agreement | max abs logit diff | mean KL(ref || it) |")
+    print("|---|---:|---:|---:|")
+    for label, dtype, weights, quantize in CONFIGS:
+        eng = engine(dtype, weights, quantize)
+        agree = total = 0
+        diff = 0.0
+        kls = []
+        for (prompt, gen), ref in zip(sequences, ref_logits):
+            got = _forward(eng, prompt + gen)[len(prompt) - 1 : len(prompt) - 1 + len(gen)]
+            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            total += len(gen)
+            diff = max(diff, float((got - ref).abs().max()))
+            kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none")
+            kls.append(kl.sum(-1).mean().item())
+        print(f"| {label} | {agree}/{total} = {100 * agree / total:.1f}% | {diff:.2f} | {sum(kls) / len(kls):.4f} |")
+        del eng
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

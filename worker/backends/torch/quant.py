@@ -1,0 +1,168 @@
+"""Weight-only quantized linear layers on torch's CPU kernels.
+
+``Int4Linear`` keeps a weight as 4-bit codes with a scale and a zero per group of 32 input values,
+
+    W[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32],
+
+packed for ``torch.ops.aten._weight_int4pack_mm_for_cpu``; the kernel needs the scales and zeros in
+the activations' dtype, so they are rounded to it once at load (exact in float32). GGUF Q4_0, Q4_1
+and Q4_K map onto this form exactly (muxworker.worker.models.gguf_tensors); a float weight is
+quantized to it with per-group min/max (``quantize_int4``, for --quantize int4).
+
+``Int8Linear`` keeps int8 codes with one scale per output row (``_weight_int8pack_mm``'s form),
+``W[n, k] = codes[n, k] * scale[n]``, for --quantize int8.
+
+Both are CPU kernels; on another device the weight is dequantized to a dense ``nn.Linear`` at load
+(``dequantize``), so a quantized model still runs there, at float speed and size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+INT4_GROUP = 32  # the GGUF block size; also the kernel's group size here
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A weight in the int4 form above, as CPU tensors: codes uint8 [N, K] (0..15), scales and
+    zeros float32 [N, K // 32]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    @classmethod
+    def from_numpy(cls, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> Int4Weight:
+        return cls(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scales), torch.from_numpy(zeros))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.codes.shape
+        return int(n), int(k)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        s = self.scales.repeat_interleave(INT4_GROUP, dim=1)
+        z = self.zeros.repeat_interleave(INT4_GROUP, dim=1)
+        return (self.codes.float() - 8) * s + z
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Stack weights along the output rows (fused projections)."""
+        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """codes int8 [N, K], scales float32 [N]: ``W[n, k] = codes[n, k] * scales[n]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.codes.shape
+        return int(n), int(k)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scales[:, None]
+
+    @staticmethod
+    def cat(parts: list[Int8Weight]) -> Int8Weight:
+        return Int8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+
+
+QuantWeight = Int4Weight | Int8Weight
+Weight = torch.Tensor | QuantWeight  # what build_model takes per Hugging Face name
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Weight:
+    """Asymmetric 4-bit per group of 32 (min/max): what Q4_1 does, from a float weight [N, K]."""
+    n, k = w.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs the input size to be a multiple of {INT4_GROUP}, got {k}")
+    g = w.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return Int4Weight(codes, scale, lo + 8 * scale)
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Symmetric 8-bit per output row (absmax)."""
+    wf = w.float()
+    scale = wf.abs().amax(1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(codes, scale)
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` through the int4 CPU kernel (x of any leading shape, in ``dtype``)."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % INT4_GROUP:
+            raise ValueError(f"int4 weight of shape {weight.shape}: input size must be a multiple of {INT4_GROUP}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        # [K // 32, N, 2]: per group, per output row, (scale, zero).
+        sz = torch.stack([weight.scales.t(), weight.zeros.t()], dim=-1).to(dtype).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", sz)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features), self.packed, INT4_GROUP, self.scales_zeros
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` through the int8 weight-only CPU kernel (one scale per output row)."""
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", weight.scales.to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+def quantized_linear(
+    weight: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """The module for a quantized weight on ``device``: the kernel on CPU, else a dense Linear."""
+    if device.type != "cpu":
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=device, dtype=dtype)
+        with torch.no_grad():
+            dense.weight.copy_(weight.dequantize().to(dtype))
+            if bias is not None:
+                dense.bias.copy_(bias.to(dtype))
+        return dense.requires_grad_(False)
+    if isinstance(weight, Int4Weight):
+        return Int4Linear(weight, bias, dtype)
+    return Int8Linear(weight, bias, dtype)

@@ -1,0 +1,326 @@
+"""The tensors of a GGUF file, read in place: numpy and gguf only, no torch.
+
+A converted GGUF model directory does not copy the weights. Conversion (convert.py) records where
+each tensor lies in the GGUF file in ``gguf_tensors.json`` (name, quantization type, shape, byte
+offset) and links the file as ``model.gguf``; loading memory-maps that file and reads each tensor
+from its bytes (parsing the GGUF header with ``gguf.GGUFReader`` takes seconds for a 49k-token
+vocabulary, the index takes milliseconds). Each tensor can be read two ways:
+
+- ``dequantize``: float32 values, exactly the gguf package's own dequantization (the oracle), with
+  llama.cpp's rotary row permutation of attn_q/attn_k undone;
+- ``int4``: for the 4-bit types whose blocks are 32 values with a scale and an offset (Q4_0, Q4_1,
+  and Q4_K's 32-value sub-blocks), the 4-bit codes and per-group scales and zeros of
+
+      w[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32]
+
+  which is the form of torch's int4 weight-only kernels. Per GGUF type:
+
+      Q4_0:  w = d * (q - 8)            -> scale = d,       zero = 0
+      Q4_1:  w = d * q + m              -> scale = d,       zero = m + 8 * d
+      Q4_K:  w = d * sc_j * q - dmin * m_j (sub-block j of 8, 6-bit sc_j and m_j)
+                                        -> scale = d * sc_j, zero = 8 * d * sc_j - dmin * m_j
+
+  d, m, dmin are float16 in the file, so scale is exact in float32 and zero is exact up to one
+  float32 rounding; a kernel that keeps scales in bfloat16 rounds them once more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "GGUF_LINK",
+    "INT4_GROUP",
+    "INT4_TYPES",
+    "TENSOR_INDEX",
+    "GGUFTensorError",
+    "GGUFTensorIndex",
+    "Int4Weight",
+    "TensorEntry",
+    "hf_tensor_name",
+    "unpermute_rotary_rows",
+]
+
+TENSOR_INDEX = "gguf_tensors.json"  # written by conversion, read at every load
+GGUF_LINK = "model.gguf"  # the converted directory's link to the source GGUF
+INT4_GROUP = 32
+INDEX_VERSION = 1
+
+
+class GGUFTensorError(ValueError):
+    """A tensor index or GGUF file that does not hold what it claims."""
+
+
+# The types whose blocks map onto int4 codes with per-32 scales and zeros (every other type is
+# dequantized through the gguf package).
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+BLOCK_TENSORS = _BLOCK_TENSORS
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a llama.cpp tensor name (GGUFTensorError if unknown)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m[2] not in _BLOCK_TENSORS:
+        raise GGUFTensorError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart we know of")
+    return f"model.layers.{m[1]}.{_BLOCK_TENSORS[m[2]]}.{m[3]}"
+
+
+def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation.
+
+    convert_hf_to_gguf.py reorders each head's rows from Hugging Face's rotate-half layout
+    (first half of the head, then second half) to GGML's interleaved pairs:
+        w.reshape(n_head, 2, D // 2, *rest).swapaxes(1, 2)
+    Viewing the GGUF rows as (n_head, D // 2, 2) and swapping back restores the original order.
+    Works for any array whose first axis is the rows: weights [n_head * D, in], biases, and the
+    per-row codes and group scales of a quantized weight.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise GGUFTensorError(f"cannot split {rows} rows into {n_head} heads of rotary pairs")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in the GGUF file, under its Hugging Face name."""
+
+    name: str  # Hugging Face name
+    gguf_name: str
+    type: str  # GGML type name: "Q4_1", "F32", ...
+    shape: tuple[int, ...]  # numpy/torch order (reversed GGML ne)
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    rotary_heads: int | None  # attn_q/attn_k: heads whose rotary row order is undone on read
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "gguf_name": self.gguf_name,
+            "type": self.type,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "rotary_heads": self.rotary_heads,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorEntry:
+        try:
+            return cls(
+                str(d["name"]),
+                str(d["gguf_name"]),
+                str(d["type"]),
+                tuple(int(x) for x in d["shape"]),
+                int(d["offset"]),
+                int(d["nbytes"]),
+                None if d["rotary_heads"] is None else int(d["rotary_heads"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise GGUFTensorError(f"malformed tensor entry {d!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """``w[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32]``."""
+
+    codes: np.ndarray  # uint8 [N, K], values 0..15
+    scales: np.ndarray  # float32 [N, K // 32]
+    zeros: np.ndarray  # float32 [N, K // 32]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K] (the formula above, in float32)."""
+        n, k = self.codes.shape
+        s = np.repeat(self.scales, INT4_GROUP, axis=1)
+        z = np.repeat(self.zeros, INT4_GROUP, axis=1)
+        return (self.codes.astype(np.float32) - 8) * s + z
+
+
+def _block_size(type_name: str) -> tuple[int, int]:
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+
+
+class GGUFTensorIndex:
+    """The tensor index of a converted directory over its memory-mapped GGUF file."""
+
+    def __init__(
+        self, gguf_path: str | os.PathLike[str], entries: list[TensorEntry], stamp: tuple[int, int] | None = None
+    ) -> None:
+        """``stamp``: the (size, mtime_ns) the file had when it was indexed; a file rewritten since
+        (same name, other bytes) is refused rather than read at the old offsets."""
+        self.path = Path(gguf_path)
+        self.entries = {e.name: e for e in entries}
+        if len(self.entries) != len(entries):
+            raise GGUFTensorError("the tensor index names the same tensor twice")
+        st = self.path.stat()
+        size = st.st_size
+        if stamp is not None and stamp != (st.st_size, st.st_mtime_ns):
+            raise GGUFTensorError(
+                f"{self.path} changed since conversion (size and mtime differ from the index); "
+                "resolve the model again to convert the new file"
+            )
+        for e in entries:
+            if e.offset < 0 or e.offset + e.nbytes > size:
+                raise GGUFTensorError(
+                    f"tensor {e.gguf_name} lies at bytes [{e.offset}, {e.offset + e.nbytes}) of {self.path}, "
+                    f"which has {size}: the file changed since conversion"
+                )
+        # Read-only, shared: pages are read on first touch and shared with other processes.
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if entries else None
+
+    # ---- persistence (written by conversion)
+
+    @staticmethod
+    def write(directory: Path, entries: list[TensorEntry], gguf_path: Path) -> None:
+        st = gguf_path.stat()
+        doc = {
+            "version": INDEX_VERSION,
+            "gguf_size": st.st_size,
+            "gguf_mtime_ns": st.st_mtime_ns,
+            "tensors": [e.to_json() for e in entries],
+        }
+        (directory / TENSOR_INDEX).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str]) -> GGUFTensorIndex:
+        directory = Path(directory)
+        try:
+            doc = json.loads((directory / TENSOR_INDEX).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise GGUFTensorError(f"{directory / TENSOR_INDEX} cannot be read: {e}") from None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("version") != INDEX_VERSION
+            or not isinstance(doc.get("tensors"), list)
+            or not isinstance(doc.get("gguf_size"), int)
+            or not isinstance(doc.get("gguf_mtime_ns"), int)
+        ):
+            raise GGUFTensorError(f"{directory / TENSOR_INDEX} is not a version {INDEX_VERSION} tensor index")
+        link = directory / GGUF_LINK
+        if not link.is_file():
+            raise GGUFTensorError(f"{link} does not point at the GGUF file it was converted from")
+        entries = [TensorEntry.from_json(t) for t in doc["tensors"]]
+        return cls(link.resolve(), entries, (doc["gguf_size"], doc["gguf_mtime_ns"]))
+
+    # ---- reading
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def type_of(self, name: str) -> str:
+        return self.entries[name].type
+
+    def _bytes(self, e: TensorEntry) -> np.ndarray:
+        assert self._map is not None
+        return self._map[e.offset : e.offset + e.nbytes]
+
+    def _blocks(self, e: TensorEntry) -> np.ndarray:
+        """[N * K / block_values, block_bytes] uint8 blocks of a quantized 2-D tensor."""
+        values, nbytes = _block_size(e.type)
+        rows, cols = e.shape if len(e.shape) == 2 else (1, e.shape[0])
+        if cols % values or e.nbytes != rows * cols // values * nbytes:
+            raise GGUFTensorError(
+                f"tensor {e.gguf_name} of type {e.type} and shape {list(e.shape)} has {e.nbytes} bytes"
+            )
+        return self._bytes(e).reshape(-1, nbytes)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """float32 values of ``name`` (the gguf package's dequantization), rotary rows restored; a
+        new writable array."""
+        import gguf
+
+        e = self.entries[name]
+        raw = self._bytes(e)
+        qtype = gguf.GGMLQuantizationType[e.type]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            values = raw.view(np.float32).reshape(e.shape)
+        else:
+            values = gguf.quants.dequantize(raw, qtype).reshape(e.shape)
+        if e.rotary_heads is not None:
+            values = unpermute_rotary_rows(values, e.rotary_heads)
+        # A fresh, writable array: F32 tensors would otherwise be read-only views of the map.
+        if values.dtype == np.float32 and values.flags.writeable:
+            return values
+        return np.array(values, dtype=np.float32)
+
+    def int4(self, name: str) -> Int4Weight:
+        """The int4 form of a Q4_0, Q4_1 or Q4_K tensor (see the module docstring for the mapping)."""
+        e = self.entries[name]
+        if e.type not in INT4_TYPES or len(e.shape) != 2:
+            raise GGUFTensorError(f"tensor {e.gguf_name} is {e.type} {list(e.shape)}, not a 2-D one of {INT4_TYPES}")
+        rows, cols = e.shape
+        blocks = self._blocks(e)
+        codes, scales, zeros = _INT4_READERS[e.type](blocks)
+        w = Int4Weight(
+            codes.reshape(rows, cols), scales.reshape(rows, cols // INT4_GROUP), zeros.reshape(rows, cols // INT4_GROUP)
+        )
+        if e.rotary_heads is not None:
+            h = e.rotary_heads
+            w = Int4Weight(*(unpermute_rotary_rows(a, h) for a in (w.codes, w.scales, w.zeros)))
+        return w
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[B, 16] packed bytes -> [B, 32] codes: value j < 16 is byte j's low nibble, j >= 16 byte j-16's high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(-1)
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(blocks[:, 0:2])
+    return _nibbles(blocks[:, 2:18]), d, np.zeros_like(d)
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    return _nibbles(blocks[:, 4:20]), d, m + np.float32(8) * d
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from gguf.quants import Q4_K
+
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))  # [B, 8] 6-bit each
+    scale = d[:, None] * sc.astype(np.float32)  # [B, 8]
+    zero = np.float32(8) * scale - dmin[:, None] * mn.astype(np.float32)
+    # 128 bytes = 4 chunks of 32: chunk c's low nibbles are sub-block 2c, its high nibbles 2c + 1.
+    qs = blocks[:, 16:144].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(n, 256)
+    return codes, scale.reshape(-1), zero.reshape(-1)
+
+
+_INT4_READERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
