@@ -21,7 +21,8 @@ from muxworker.worker.backends.interface import Executor, planned_nbytes
 from muxworker.worker.engine import Engine, EngineConfig
 from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.defaults import DTYPE_NAMES, resolve_weights
-from muxworker.worker.models.loader import ModelFiles, load_model_dir, resolve_model
+from muxworker.worker.models.loader import ModelFiles
+from muxworker.worker.models.prefetch import ModelPrefetch, prefetch_model
 from muxworker.worker.models.tokenizer import Tokenizer
 
 
@@ -115,6 +116,7 @@ def load_model(
     check: Callable[[ModelArgs, str, str], None] | None = None,
     weights: str | None = None,
     quantize: str | None = None,
+    prefetched: ModelPrefetch | None = None,
 ) -> LoadedModel:
     """Resolve ``path`` (None: the bundled SmolLM2), convert a GGUF if needed, and load it on ``backend``.
 
@@ -126,8 +128,8 @@ def load_model(
     device_str = str(torch.device(device)) if backend == "torch" else str(device)
     dt = dtype_name(dtype)
     be.check(device_str, dt)
-    model_dir = resolve_model(path, progress=progress)
-    files = load_model_dir(model_dir)
+    pre = prefetched if prefetched is not None else prefetch_model(path, progress)
+    model_dir, files = pre.model_dir, pre.files
     args = ModelArgs.from_dict(files.config)
     if check is not None:
         check(args, device_str, dt)
@@ -139,9 +141,8 @@ def load_model(
         raise BackendUnavailableError(f"the {be.name} backend loads float weights only, not --weights {resolved}")
     else:
         model = be.load(files, args, device=device_str, dtype=dt)
-    tokenizer = Tokenizer.from_model_files(files)
     name = files.config.get("_name_or_path") or Path(model_dir).name
-    return LoadedModel(files, args, model, tokenizer, str(name), be.name, device_str, resolved)
+    return LoadedModel(files, args, model, pre.tokenizer, str(name), be.name, device_str, resolved)
 
 
 def load_engine(
@@ -155,6 +156,7 @@ def load_engine(
     draft: str | os.PathLike[str] | None = None,
     weights: str | None = None,
     quantize: str | None = None,
+    prefetched: ModelPrefetch | None = None,
 ) -> Engine:
     """Load the model at ``path`` and, with ``draft``, a draft model for speculative decoding that
     proposes ``config.n_draft`` tokens per step (same tokenizer, device and dtype)."""
@@ -176,6 +178,7 @@ def load_engine(
         check=lambda a, d, t: check(a, d, t, "model"),
         weights=weights,
         quantize=quantize,
+        prefetched=prefetched,
     )
     be = get_backend(loaded.backend)
     slots = config.max_sessions + config.prefix_cache_entries

@@ -602,6 +602,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report_usage_error(str(exc), argv)
         return EXIT_USAGE
     writer = FdFrameWriter(reply_fd)
+    # The model directory and tokenizer (torch-free) load on a thread while torch imports.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from muxworker.worker.models.prefetch import prefetch_model
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="muxworker-prefetch")
+    prefetch = pool.submit(prefetch_model, options.model, sys.stderr)
+    pool.shutdown(wait=False)  # the thread ends with its one task; result() below waits for it
     try:
         from muxworker.worker.build import load_engine
 
@@ -618,6 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             draft=options.draft,
             weights=options.weights,
             quantize=options.quantize,
+            prefetched=prefetch.result(),
         )
     except Exception as exc:
         error = _load_error(exc)

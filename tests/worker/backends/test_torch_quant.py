@@ -125,3 +125,46 @@ def test_quantize_a_float_model_at_load(tiny_llama_dir: Path, mode: str) -> None
     # agree on the top token.
     assert (a - b).abs().max() < 0.25 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.6
+
+
+def test_prepared_weights_are_cached_and_reload_to_the_same_model(tmp_path: Path) -> None:
+    from muxworker.worker.backends.torch.prepared import prepared_path
+
+    d = _linked(tmp_path, "Q4_1")
+    ids = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
+    first, args = _load(d, "bfloat16", "quantized")
+    cache = prepared_path(d, torch.bfloat16, torch.device("cpu"))
+    assert cache.is_file()
+    again, _ = _load(d, "bfloat16", "quantized")  # memory-mapped from the cache
+    assert sum(isinstance(m, Int4Linear) for m in again.modules()) == 4 * args.num_hidden_layers
+    assert torch.equal(_logits(first, args, ids), _logits(again, args, ids))
+    # A damaged cache is ignored and rewritten, never an error.
+    cache.write_bytes(b"not a torch file")
+    damaged, _ = _load(d, "bfloat16", "quantized")
+    assert torch.equal(_logits(damaged, args, ids), _logits(first, args, ids))
+    assert cache.stat().st_size > 1000
+
+
+def test_a_prefill_runs_dense_and_a_decode_runs_the_kernel(tmp_path: Path) -> None:
+    from muxworker.worker.backends.torch import quant
+
+    d = _linked(tmp_path, "Q4_1")
+    model, args = _load(d, "float32", "quantized")
+    calls = {"dense": 0, "kernel": 0}
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    forward = layer.forward
+
+    def counting(x):
+        calls["dense" if quant._ROUTE.dense else "kernel"] += 1
+        return forward(x)
+
+    layer.forward = counting  # type: ignore[method-assign]
+    _logits(model, args, list(range(1, quant.DENSE_ROWS + 1)))
+    assert calls == {"dense": 1, "kernel": 0}
+    _logits(model, args, [5])
+    assert calls == {"dense": 1, "kernel": 1}
+    # Both paths multiply by the same weights.
+    x = torch.randn(3, layer.in_features)
+    with quant.dense_route(True):
+        dense = layer(x)
+    torch.testing.assert_close(dense, layer(x), rtol=0, atol=1e-4)

@@ -17,6 +17,7 @@ from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
 from muxworker.worker.backends.interface import SeqSpan, check_batch
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
+from muxworker.worker.backends.torch.prepared import load_prepared, prepared_path, save_prepared
 from muxworker.worker.backends.torch.quant import Int4Weight, Weight, quantize_int4, quantize_int8
 from muxworker.worker.models import gguf_tensors
 from muxworker.worker.models.args import ModelArgs
@@ -67,7 +68,14 @@ def load_model(
     if files.gguf and weights == "quantized":
         if quantize is not None:
             raise ValueError("--quantize applies to float models; a GGUF keeps its own quantization")
-        state = _gguf_state(files, dt)
+        gguf = files.weight_files[0].resolve()
+        cache = prepared_path(files.path, dt, dev)
+        if dev.type == "cpu" and (model := load_prepared(args, cache, dt, gguf)) is not None:
+            return model
+        model = build_model(args, _gguf_state(files, dt), dtype=dt, device=dev)
+        if dev.type == "cpu":
+            save_prepared(model, cache, dt, gguf)
+        return model
     else:
         if weights == "quantized" and quantize is None:
             raise ValueError(

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from muxworker.worker.backends.interface import SeqSpan
+from muxworker.worker.backends.torch import quant
 from muxworker.worker.backends.torch.batch import DecodeBatch
 from muxworker.worker.backends.torch.cache import KVCache
-from muxworker.worker.backends.torch.quant import Int4Weight, Int8Weight, Weight, quantized_linear
+from muxworker.worker.backends.torch.quant import Int4Weight, Int8Weight, Weight, dense_route, quantized_linear
 from muxworker.worker.models.args import ModelArgs, rope_inv_freq
 
 
@@ -123,17 +124,19 @@ def _decode_attention(
     v: torch.Tensor,  # [B, KV, L, D]
     mask: torch.Tensor | None,  # [B, 1, 1, L] bool, True = attend; None: every row
     scale: float,
-) -> torch.Tensor:  # [B, H, D]
+) -> torch.Tensor:  # [B, H, D] in q's dtype
     """One query per sequence. Two batched matmuls with the query heads grouped by KV head: for a
-    single query row this is several times cheaper on CPU than the fused SDPA kernel with a mask."""
+    single query row this is several times cheaper on CPU than the fused SDPA kernel with a mask.
+    In float32 whatever the cache dtype: on CPU a bfloat16 matmul this small costs more than
+    casting the rows and multiplying in float32 (measured 2x at 40 and at 4,096 rows)."""
     b, h, d = q.shape
     kv = k.shape[1]
-    qg = q.reshape(b, kv, h // kv, d)  # [B, KV, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, KV, G, L]
+    qg = q.reshape(b, kv, h // kv, d).float()  # [B, KV, G, D]
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, KV, G, L]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))  # mask broadcasts over KV and G
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(b, h, d)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).view(b, h, d).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -165,7 +168,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # An explicit (uninitialized) weight: Embedding's own init calls normal_, which on the meta
+        # device imports torch._dynamo, 1.5 s of a 2 s start.
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -212,8 +219,10 @@ class Transformer(nn.Module):
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.model.embed_tokens(tokens)  # [N, C]
         decode = DecodeBatch.of(spans, tokens.device)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, spans, decode, cache)
+        prompt_rows = tokens.shape[0] - (decode.size if decode is not None else 0)
+        with dense_route(prompt_rows >= quant.DENSE_ROWS):  # quantized layers: dense for a prefill (quant.py)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, spans, decode, cache)
         h = self.model.norm(x[logits_rows])  # [B, C]
         return self.lm_head(h).float()
 
@@ -298,20 +307,33 @@ def build_model(
     quantized = {name.removesuffix(".weight") for name, w in sd.items() if not isinstance(w, torch.Tensor)}
     if "model.embed_tokens" in quantized or "model.norm" in quantized:
         raise ValueError("embeddings and norms must be dense tensors")
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, value in sd.items():
-            if isinstance(value, torch.Tensor) and name.removesuffix(".bias") not in quantized:
-                params[name].copy_(value.to(dtype))
-    model.to(dtype)
+    # The meta skeleton's tensors are replaced, never allocated: each dense weight becomes a
+    # Parameter of the given tensor (no copy when it already has the dtype and device), each
+    # quantized one its kernel's module. (to_empty + copy_ + .to(dtype) allocated every weight twice,
+    # in float32 first, and to_empty's meta path imports sympy: ~1 s of a start.)
     for module_name in sorted(quantized):
         parent_name, _, attr = module_name.rpartition(".")
-        weight = sd[f"{module_name}.weight"]
-        bias = sd.get(f"{module_name}.bias")
+        weight = sd.pop(f"{module_name}.weight")
+        bias = sd.pop(f"{module_name}.bias", None)
         assert not isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
         setattr(model.get_submodule(parent_name), attr, quantized_linear(weight, bias, dtype, device))
+    for name, value in sd.items():
+        assert isinstance(value, torch.Tensor)
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if value.shape != getattr(module, attr).shape:
+            raise ValueError(
+                f"weight {name} has shape {list(value.shape)}, the model expects {list(getattr(module, attr).shape)}"
+            )
+        setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # buffers (rope tables) start empty, filled by setup_rope
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_meta:
+                setattr(module, name, torch.empty(0, dtype=dtype, device=device))
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"weights left unset: {left[:5]}")
     model.eval()
     return model
