@@ -8,7 +8,7 @@ shared, noisy machine where absolute times drift:
 - transport vs raw pipe (64 MiB payloads between two processes)
 - checkpoint file save/load vs raw write+fsync/read of the same bytes
 - crc32c vs zlib.crc32 (256 MiB)
-- muxworker vs llama.cpp on the same GGUF, when llama-cpp-python is installed
+- a pointer to `make bench-peer`, the side-by-side benchmark against llama.cpp on the same GGUF
 
     python scripts/bench.py [--quick] [--dtype bfloat16]
 """
@@ -124,11 +124,8 @@ def main() -> None:
     _row(rows, "crc32c vs zlib.crc32, 256 MiB", f"{ours / gb:.1f} GB/s", f"{base / gb:.1f} GB/s", f"{ours / base:.1f}x")
     del data
 
-    # 6. llama.cpp on the same GGUF.
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        _row(rows, "muxworker vs llama.cpp (same GGUF)", "-", "-", "skipped: llama-cpp-python is not installed")
+    # 6. llama.cpp on the same GGUF: its own benchmark, with llama-cpp-python built in its own venv.
+    _row(rows, "muxworker vs llama.cpp (same GGUF)", "-", "-", "see `make bench-peer` (scripts/bench_vs_llamacpp.py)")
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}\n")
     print("| measurement | muxworker | baseline | ratio |")

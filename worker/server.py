@@ -651,9 +651,13 @@ def _startup_summary(engine: Engine) -> str:
     mib = engine.cache.nbytes / 2**20
     draft = getattr(engine, "draft", None)
     draft_mib = draft.cache.nbytes / 2**20 if draft is not None else 0.0
+    weights, dense = engine.executor.weight_nbytes
+    copy = f", of which {dense / 2**20:.0f} MiB dense copies for prefill, memory-mapped" if dense else ""
     return (
-        f"serving {engine.model_name} on {engine.backend}/{engine.device_name} ({engine.dtype_name}); "
+        f"serving {engine.model_name} on {engine.backend}/{engine.device_name} ({engine.dtype_name}, "
+        f"{engine.weights} weights); weights {weights / 2**20:.0f} MiB{copy}; "
         f"KV cache {mib:.1f} MiB preallocated: {cfg.max_sessions} sessions + {cfg.prefix_cache_entries} "
         f"prefix-cache entries x {cfg.max_session_tokens} tokens"
         + (f"; draft KV cache {draft_mib:.1f} MiB" if draft is not None else "")
+        + f"; total {(weights + engine.cache.nbytes + (draft.cache.nbytes if draft is not None else 0)) / 2**20:.0f} MiB"
     )

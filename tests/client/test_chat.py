@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from muxworker.worker.models.defaults import auto_dtype
+
 CTRL_C = b"\x03"
 CTRL_D = b"\x04"
 
@@ -238,7 +240,8 @@ def test_a_failed_resume_never_touches_the_saved_files(chat, tmp_path):
     assert len(saved) == 2
 
     # Another dtype: the store is bound to the configuration, so the checkpoint is incompatible.
-    term = chat("--max_new_tokens", "6", "--dtype", "bfloat16")
+    other = "float32" if auto_dtype("cpu") == "bfloat16" else "bfloat16"  # not what --dtype auto gave
+    term = chat("--max_new_tokens", "6", "--dtype", other)
     term.expect(r"cannot resume session 't1'")
     term.expect(r"another model or configuration")
     term.expect(r"start a new session under 't1-2'\? \[y/N\] ")

@@ -50,7 +50,7 @@ def model_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def worker_command(model_dir):
-    return default_worker_command(model_dir, max_sessions=20, max_session_tokens=512)
+    return default_worker_command(model_dir, dtype="float32", max_sessions=20, max_session_tokens=512)
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ def model_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def worker_command(model_dir):
-    return default_worker_command(model_dir, max_sessions=8, max_session_tokens=512)
+    return default_worker_command(model_dir, dtype="float32", max_sessions=8, max_session_tokens=512)
 
 
 def _configuration(**extra) -> dict:
@@ -171,7 +171,9 @@ async def test_model_and_configuration_mismatches_are_rejected(worker_command, m
         await client.open_session("chat")  # the id stayed unused
     # Another model geometry: the worker itself rejects the checkpoint.
     mistral = tiny_model_factory("mistral")
-    async with spawn_multiplexed_worker(default_worker_command(mistral, max_session_tokens=512)) as client:
+    async with spawn_multiplexed_worker(
+        default_worker_command(mistral, dtype="float32", max_session_tokens=512)
+    ) as client:
         with pytest.raises(CheckpointRejected, match="geometry"):
             await client.restore_checkpoint_from_cpu(checkpoint, "chat")
         await client.open_session("chat")
@@ -390,7 +392,7 @@ async def test_close_never_autosaves(worker_command, model_dir, tmp_path):
 async def test_smollm2_save_restart_resume_matches_a_cold_run(tmp_path):
     from muxworker.worker.models.loader import bundled_gguf_path
 
-    command = default_worker_command(max_session_tokens=1024)
+    command = default_worker_command(dtype="float32", weights="float", max_session_tokens=1024)
     store_args = dict(model_files=[bundled_gguf_path()], configuration=_configuration(max_session_tokens=1024))
     store = await SessionStore.create(tmp_path / "store", **store_args)
     chat = [{"role": "user", "content": "What is the capital of France?"}]

@@ -50,7 +50,9 @@ def greedy(n: int) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def worker_command(tiny_llama_dir):
-    return default_worker_command(tiny_llama_dir, max_sessions=8, max_session_tokens=4096, max_inflight_requests=8)
+    return default_worker_command(
+        tiny_llama_dir, dtype="float32", max_sessions=8, max_session_tokens=4096, max_inflight_requests=8
+    )
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,11 @@ class Executor(Protocol):
     def dtype_name(self) -> str: ...
 
     @property
+    def weight_nbytes(self) -> tuple[int, int]:
+        """(bytes the model's weights take, of which dense prefill copies of quantized layers)."""
+        ...
+
+    @property
     def device_name(self) -> str: ...
 
     def forward(

@@ -113,6 +113,13 @@ class MLXExecutor:
             )
 
     @property
+    def weight_nbytes(self) -> tuple[int, int]:
+        """(bytes the weights take, 0: MLX holds no dense copies)."""
+        from mlx.utils import tree_flatten
+
+        return sum(int(a.nbytes) for _, a in tree_flatten(self.model.parameters())), 0
+
+    @property
     def dtype_name(self) -> str:
         return _DTYPE_NAMES[self.dtype]
 

@@ -143,6 +143,21 @@ class TorchExecutor:
         )
 
     @property
+    def weight_nbytes(self) -> tuple[int, int]:
+        """(bytes the weights take, of which the quantized layers' dense prefill copies)."""
+        seen: set[int] = set()
+        total = dense = 0
+        for name, t in (*self.model.named_parameters(), *self.model.named_buffers()):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen or t.numel() == 0 or name.endswith(("._cos", "._sin")):
+                continue
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+            if name.endswith(".dense"):
+                dense += t.untyped_storage().nbytes()
+        return total, dense
+
+    @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
