@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -117,7 +117,8 @@ class MLXExecutor:
         """(bytes the weights take, 0: MLX holds no dense copies)."""
         from mlx.utils import tree_flatten
 
-        return sum(int(a.nbytes) for _, a in tree_flatten(self.model.parameters())), 0
+        leaves: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
+        return sum(int(a.nbytes) for _, a in leaves), 0
 
     @property
     def dtype_name(self) -> str:
