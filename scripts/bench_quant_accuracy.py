@@ -6,7 +6,10 @@ tokens in one forward pass, and we count the positions where its top-1 token equ
 reference's. Also the largest absolute logit difference and the mean KL divergence from the
 reference, so "close" has a number.
 
-    python scripts/bench_quant_accuracy.py [--model PATH] [--positions 64] [--threads 2]
+    python scripts/bench_quant_accuracy.py [--model PATH] [--positions 64] [--threads 2] [--hf]
+
+``--hf`` measures ``--quantize int4|int8`` instead: the GGUF is exported to a float32 Hugging Face
+directory (a temporary one) and quantized at load, against that directory in float32.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ CHATS = [
 ]
 # (label, --dtype, --weights, --quantize)
 CONFIGS = [
-    ("quantized bfloat16 (default here)", "bfloat16", "quantized", None),
-    ("quantized float32", "float32", "quantized", None),
-    ("float bfloat16", "bfloat16", "float", None),
+    ("--weights quantized --dtype bfloat16 (the default here)", "bfloat16", "quantized", None),
+    ("--weights quantized --dtype float32", "float32", "quantized", None),
+    ("--weights float --dtype bfloat16", "bfloat16", "float", None),
+]
+HF_CONFIGS = [
+    ("--quantize int8 --dtype bfloat16", "bfloat16", None, "int8"),
+    ("--quantize int4 --dtype bfloat16", "bfloat16", None, "int4"),
+    ("--quantize int4 --dtype float32", "float32", None, "int4"),
 ]
 
 
@@ -61,11 +69,25 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a GGUF or model directory (default: the bundled SmolLM2 Q4_1)")
     ap.add_argument("--positions", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--hf", action="store_true", help="measure --quantize on the model exported to a float HF directory"
+    )
     args = ap.parse_args()
+    configs = CONFIGS
+    if args.hf:
+        import tempfile
+        from pathlib import Path
+
+        from muxworker.worker.models.convert import convert_gguf
+        from muxworker.worker.models.loader import bundled_gguf_path
+
+        out = Path(tempfile.mkdtemp(prefix="muxworker-hf-")) / "model"
+        args.model = convert_gguf(args.model or bundled_gguf_path(), out, progress=None, weights="copy")
+        configs = HF_CONFIGS
     torch.set_num_threads(args.threads)
     config = EngineConfig(max_sessions=1, max_session_tokens=1024, prefix_cache_entries=0)
 
-    def engine(dtype: str, weights: str, quantize: str | None):
+    def engine(dtype: str, weights: str | None, quantize: str | None):
         return load_engine(args.model, config, dtype=dtype, weights=weights, quantize=quantize, progress=None)
 
     reference = engine("float32", "float", None)
@@ -80,7 +102,7 @@ def main() -> int:
     print(f"teacher-forced top-1 agreement with the float32 dequantized model, {args.positions} positions x 3 chats")
     print("| configuration | top-1 agreement | max abs logit diff | mean KL(ref || it) |")
     print("|---|---:|---:|---:|")
-    for label, dtype, weights, quantize in CONFIGS:
+    for label, dtype, weights, quantize in configs:
         eng = engine(dtype, weights, quantize)
         agree = total = 0
         diff = 0.0

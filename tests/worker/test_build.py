@@ -12,6 +12,7 @@ from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.build import load_engine, weight_nbytes
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.models.args import ModelArgs
+from muxworker.worker.models.loader import load_model_dir
 
 
 @pytest.mark.parametrize("windows", [[None, None], [16, None], [16, 16], [4096, 16]])
@@ -39,7 +40,7 @@ def no_weights_loaded(monkeypatch):
 
 
 def test_a_session_longer_than_the_context_is_refused_before_loading(tiny_llama_dir, no_weights_loaded):
-    context = ModelArgs.from_dict(build.load_model_dir(tiny_llama_dir).config).max_position_embeddings
+    context = ModelArgs.from_dict(load_model_dir(tiny_llama_dir).config).max_position_embeddings
     with pytest.raises(
         InvalidArgument, match=rf"--max_session_tokens {context + 1} exceeds the model's context length \({context}\)"
     ):

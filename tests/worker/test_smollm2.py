@@ -47,6 +47,20 @@ def quantized_engine():
     return load_engine(None, config, dtype="bfloat16", progress=None)
 
 
+def _greedy(engine, sid: str, request_id: int, ids: list[int], n: int) -> dict:
+    """One greedy turn of ``n`` tokens in a fresh session; its result map."""
+    engine.open_session(sid)
+    engine.submit(request_id, sid, ids, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=[]))
+    result = None
+    while engine.has_work():
+        for out in engine.step():
+            if out.result is not None:
+                result = out.result
+    engine.close_session(sid)
+    assert result is not None
+    return result
+
+
 def test_greedy_chat_continuations_match_transformers(engine, reference):
     tok, model = reference
     for i, messages in enumerate(CHATS):
@@ -56,15 +70,7 @@ def test_greedy_chat_continuations_match_transformers(engine, reference):
         with torch.no_grad():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
         ref_new = ref[0, len(ids) :].tolist()  # may end early at the model's EOS
-        sid = f"chat{i}"
-        engine.open_session(sid)
-        engine.submit(i + 1, sid, ids, SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=[]))
-        result = None
-        while engine.has_work():
-            for out in engine.step():
-                if out.result is not None:
-                    result = out.result
-        engine.close_session(sid)
+        result = _greedy(engine, f"chat{i}", i + 1, ids, 32)
         assert len(ref_new) >= 8
         assert result["generated_token_ids"][: len(ref_new)] == ref_new, (messages, tok.decode(ref_new))
 
@@ -105,15 +111,7 @@ def test_quantized_path_agrees_with_the_float_reference(engine, quantized_engine
     for i, messages in enumerate(CHATS):
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = engine.tokenizer.encode(text, parse_special=True)
-        sid = f"ref{i}"
-        engine.open_session(sid)
-        engine.submit(50 + i, sid, ids, SamplingParams(max_new_tokens=64, temperature=0, stop_token_ids=[]))
-        result = None
-        while engine.has_work():
-            for out in engine.step():
-                if out.result is not None:
-                    result = out.result
-        engine.close_session(sid)
+        result = _greedy(engine, f"ref{i}", 50 + i, ids, 64)
         full = ids + result["generated_token_ids"]
         rows = list(range(len(ids) - 1, len(full) - 1))
         logits = {}

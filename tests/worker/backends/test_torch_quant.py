@@ -168,3 +168,14 @@ def test_a_prefill_runs_dense_and_a_decode_runs_the_kernel(tmp_path: Path) -> No
     with quant.dense_route(True):
         dense = layer(x)
     torch.testing.assert_close(dense, layer(x), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1"])
+def test_other_quantized_types_run_dense_with_their_exact_values(tmp_path: Path, qtype: str) -> None:
+    d = _linked(tmp_path, qtype)
+    ids = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
+    quantized, args = _load(d, "float32", "quantized")
+    assert not any(isinstance(m, Int4Linear) for m in quantized.modules())  # dequantized, not 4-bit
+    float_model, _ = _load(d, "float32", "float")
+    quantized.lm_head = float_model.lm_head  # the head alone is requantized to int8
+    torch.testing.assert_close(_logits(quantized, args, ids), _logits(float_model, args, ids), rtol=0, atol=1e-5)
