@@ -4,6 +4,7 @@ Prefill tok/s for 512- and 4,096-token prompts and aggregate decode tok/s for 1,
 sessions, for each dtype. Ratios against the single-session figure are printed in the same table.
 
     python scripts/bench_engine.py [--model PATH] [--device cpu] [--dtypes float32,bfloat16] [--backends torch,mlx]
+        [--weights quantized,float]
 """
 
 from __future__ import annotations
@@ -70,9 +71,13 @@ def main() -> None:
     ap.add_argument("--backends", "--backend", default="torch", help="comma list of backends (torch, mlx)")
     ap.add_argument("--decode_tokens", type=int, default=64)
     ap.add_argument("--prefill_chunk_tokens", type=int, default=512)
+    ap.add_argument("--weights", default="default", help="comma list of --weights values (default: the model's)")
     args = ap.parse_args()
     rows = []
-    for backend, dtype in [(b, d) for b in args.backends.split(",") for d in args.dtypes.split(",")]:
+    configs = [
+        (b, d, w) for b in args.backends.split(",") for d in args.dtypes.split(",") for w in args.weights.split(",")
+    ]
+    for backend, dtype, weights in configs:
         engine = load_engine(
             args.model,
             EngineConfig(
@@ -84,12 +89,13 @@ def main() -> None:
             device=args.device,
             dtype=dtype,
             backend=backend,
+            weights=None if weights == "default" else weights,
         )
         bench_prefill(engine, 64, 1)  # warm-up
         p512 = bench_prefill(engine, 512, 2)
         p4096 = bench_prefill(engine, 4096, 3)
         d = {k: bench_decode(engine, k, args.decode_tokens, 1000 * k) for k in (1, 4, 8)}
-        rows.append((backend, dtype, p512, p4096, d[1], d[4], d[8]))
+        rows.append((backend, dtype, engine.weights, p512, p4096, d[1], d[4], d[8]))
         del engine
     versions = f"torch {torch.__version__}"
     if "mlx" in args.backends.split(","):
@@ -98,11 +104,14 @@ def main() -> None:
         versions += f", mlx {mx.__version__}"
     print(f"{versions}, device {args.device}, threads {torch.get_num_threads()}\n")
     print(
-        "| backend | dtype | prefill 512 tok/s | prefill 4096 tok/s | decode x1 tok/s | decode x4 tok/s | decode x8 tok/s | x8 / x1 |"
+        "| backend | dtype | weights | prefill 512 tok/s | prefill 4096 tok/s | decode x1 tok/s | decode x4 tok/s "
+        "| decode x8 tok/s | x8 / x1 |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for backend, dtype, p512, p4096, d1, d4, d8 in rows:
-        print(f"| {backend} | {dtype} | {p512:.0f} | {p4096:.0f} | {d1:.1f} | {d4:.1f} | {d8:.1f} | {d8 / d1:.2f} |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for backend, dtype, weights, p512, p4096, d1, d4, d8 in rows:
+        print(
+            f"| {backend} | {dtype} | {weights} | {p512:.0f} | {p4096:.0f} | {d1:.1f} | {d4:.1f} | {d8:.1f} | {d8 / d1:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from muxworker.worker.backends.torch.model import ARCHITECTURES, Transformer
 from muxworker.worker.backends.torch.quant import Int4Linear, Int8Linear
 from muxworker.worker.models.args import ModelArgs
 
-PREPARED_VERSION = 2  # 2: Int4Linear holds a dense copy
+PREPARED_VERSION = 3  # 2: Int4Linear holds a dense copy; 3: kernel scales always bfloat16
 _MANIFEST = "__muxworker_prepared__"
 _KINDS: dict[str, type[Int4Linear] | type[Int8Linear]] = {"int4": Int4Linear, "int8": Int8Linear}
 
