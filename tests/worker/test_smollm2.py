@@ -103,7 +103,7 @@ def test_eight_sessions_together_equal_alone(engine):
 def test_quantized_path_agrees_with_the_float_reference(engine, quantized_engine):
     """Teacher-forced top-1 agreement of the default quantized path with the float32 dequantized
     model over 64 positions of each chat (scripts/bench_quant_accuracy.py measures the same):
-    measured 192/192; the issue asks for at least 97%."""
+    measured 189/192 (the dense prefill copies, bfloat16); the issue asks for at least 97%."""
     from muxworker.worker.backends.interface import SeqSpan
 
     assert quantized_engine.weights == "quantized" and engine.weights == "float"
