@@ -32,7 +32,11 @@ N_DRAFT = 4
 def make(model_dir, draft=None, n_draft=N_DRAFT, **cfg):
     cfg.setdefault("max_session_tokens", 512)
     config = EngineConfig(n_draft=n_draft if draft is not None else 0, **cfg)
-    return load_engine(model_dir, config, device="cpu", dtype=torch.float32, progress=None, draft=draft)
+    # Float weights: greedy speculative decoding equals plain decoding only where scoring 1 + k rows
+    # and decoding 1 row compute the same numbers (docs/SPECULATIVE.md).
+    return load_engine(
+        model_dir, config, device="cpu", dtype=torch.float32, progress=None, draft=draft, weights="float"
+    )
 
 
 def make_draft(src: Path, out: Path, layers: int) -> Path:
