@@ -44,8 +44,8 @@ from muxworker.worker.models.gguf_tensors import (
     GGUFTensorError,
     GGUFTensorIndex,
     TensorEntry,
+    dequantize_tensor,
     hf_tensor_name,
-    unpermute_rotary_rows,
 )
 from muxworker.worker.models.loader import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 
@@ -130,14 +130,10 @@ def _plan_tensors(reader: gguf.GGUFReader, n_head: int, n_kv_head: int, n_layer:
 
 def _dequantize(plan: _TensorPlan) -> np.ndarray:
     t = plan.source
-    # float32 for every type; F32 tensors come back as a view of the memory map.
-    values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(plan.shape)
-    if plan.rotary_heads is not None:
-        try:
-            values = unpermute_rotary_rows(values, plan.rotary_heads)
-        except GGUFTensorError as e:
-            raise UnsupportedGGUFError(str(e)) from None
-    return values
+    try:  # float32 for every type; F32 tensors come back as a view of the memory map
+        return dequantize_tensor(t.data, t.tensor_type.name, plan.shape, plan.rotary_heads)
+    except GGUFTensorError as e:
+        raise UnsupportedGGUFError(str(e)) from None
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "BLOCK_TENSORS",
     "GGUF_LINK",
     "INT4_GROUP",
     "INT4_TYPES",
@@ -44,6 +45,7 @@ __all__ = [
     "GGUFTensorIndex",
     "Int4Weight",
     "TensorEntry",
+    "dequantize_tensor",
     "hf_tensor_name",
     "unpermute_rotary_rows",
 ]
@@ -68,7 +70,7 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_TENSORS = {
+BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -79,7 +81,6 @@ _BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-BLOCK_TENSORS = _BLOCK_TENSORS
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -88,9 +89,9 @@ def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m[2] not in _BLOCK_TENSORS:
+    if m is None or m[2] not in BLOCK_TENSORS:
         raise GGUFTensorError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart we know of")
-    return f"model.layers.{m[1]}.{_BLOCK_TENSORS[m[2]]}.{m[3]}"
+    return f"model.layers.{m[1]}.{BLOCK_TENSORS[m[2]]}.{m[3]}"
 
 
 def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -257,17 +258,8 @@ class GGUFTensorIndex:
     def dequantize(self, name: str) -> np.ndarray:
         """float32 values of ``name`` (the gguf package's dequantization), rotary rows restored; a
         new writable array."""
-        import gguf
-
         e = self.entries[name]
-        raw = self._bytes(e)
-        qtype = gguf.GGMLQuantizationType[e.type]
-        if qtype == gguf.GGMLQuantizationType.F32:
-            values = raw.view(np.float32).reshape(e.shape)
-        else:
-            values = gguf.quants.dequantize(raw, qtype).reshape(e.shape)
-        if e.rotary_heads is not None:
-            values = unpermute_rotary_rows(values, e.rotary_heads)
+        values = dequantize_tensor(self._bytes(e), e.type, e.shape, e.rotary_heads)
         # A fresh, writable array: F32 tensors would otherwise be read-only views of the map.
         if values.dtype == np.float32 and values.flags.writeable:
             return values
@@ -288,6 +280,21 @@ class GGUFTensorIndex:
             h = e.rotary_heads
             w = Int4Weight(*(unpermute_rotary_rows(a, h) for a in (w.codes, w.scales, w.zeros)))
         return w
+
+
+def dequantize_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, ...], rotary_heads: int | None) -> np.ndarray:
+    """float32 values of one GGUF tensor's bytes: the gguf package's dequantization (F32 as a view),
+    reshaped to ``shape``, with llama.cpp's rotary row order undone when ``rotary_heads`` is set."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        values = np.asarray(raw).view(np.float32).reshape(shape)
+    else:
+        values = gguf.quants.dequantize(raw, qtype).reshape(shape)
+    if rotary_heads is not None:
+        values = unpermute_rotary_rows(values, rotary_heads)
+    return values
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

@@ -12,7 +12,8 @@ import torch
 from helpers.gguf_files import converted_smollm, exported_smollm, write_tiny_gguf
 from safetensors import safe_open
 
-from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main, unpermute_rotary_rows
+from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main
+from muxworker.worker.models.gguf_tensors import unpermute_rotary_rows
 from muxworker.worker.models.loader import InvalidModelError, bundled_gguf_path, load_model_dir, load_state_dict
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -114,6 +115,7 @@ class Int8Weight:
 
 
 QuantWeight = Int4Weight | Int8Weight
+_L = TypeVar("_L", bound=nn.Module)
 Weight = torch.Tensor | QuantWeight  # what build_model takes per Hugging Face name
 
 
@@ -159,16 +161,13 @@ class Int4Linear(nn.Module):
     def shell(cls, out_features: int, in_features: int, has_bias: bool, dtype: torch.dtype) -> Int4Linear:
         """An Int4Linear with meta tensors of the right shapes, for ``load_state_dict(assign=True)``
         of already packed tensors (the prepared-weights cache)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.out_features, self.in_features = out_features, in_features
+        self = _shell(cls, out_features, in_features, has_bias, dtype)
         meta = torch.device("meta")
         self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=meta))
         self.register_buffer(
             "scales_zeros", torch.empty(in_features // INT4_GROUP, out_features, 2, dtype=KERNEL_DTYPE, device=meta)
         )
         self.register_buffer("dense", torch.empty(out_features, in_features, dtype=dtype, device=meta))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=meta), False) if has_bias else None
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,13 +198,10 @@ class Int8Linear(nn.Module):
     @classmethod
     def shell(cls, out_features: int, in_features: int, has_bias: bool, dtype: torch.dtype) -> Int8Linear:
         """An Int8Linear with meta tensors of the right shapes (see ``Int4Linear.shell``)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.out_features, self.in_features = out_features, in_features
+        self = _shell(cls, out_features, in_features, has_bias, dtype)
         meta = torch.device("meta")
         self.register_buffer("codes", torch.empty(out_features, in_features, dtype=torch.int8, device=meta))
         self.register_buffer("scales", torch.empty(out_features, dtype=KERNEL_DTYPE, device=meta))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=meta), False) if has_bias else None
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,6 +215,17 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+def _shell(cls: type[_L], out_features: int, in_features: int, has_bias: bool, dtype: torch.dtype) -> _L:
+    """An instance of ``cls`` without running its __init__: sizes and a meta bias; the caller adds
+    its meta buffers."""
+    self: Any = cls.__new__(cls)
+    nn.Module.__init__(self)
+    self.out_features, self.in_features = out_features, in_features
+    meta = torch.device("meta")
+    self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=meta), False) if has_bias else None
+    return self
 
 
 def quantized_linear(
