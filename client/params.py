@@ -1,10 +1,13 @@
 """What a generation asks for (``GenerationParams``) and the client's view of the replies.
 
 ``GenerationResult``, ``RESULT_FIELDS``, ``WorkerInfo`` and ``ModelInfo`` are defined once in
-:mod:`muxworker.transport.messages`, the contract both ends share, and re-exported here."""
+:mod:`muxworker.transport.messages`, the contract both ends share, and re-exported here.
+``RuntimeGenerationResult`` is a ``GenerationResult`` with what only the client side knows (whether
+a :class:`~.runtime.SessionRuntime` resumed the session from its store first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -19,7 +22,15 @@ from muxworker.transport.sampling import SamplingFields
 
 _D = SamplingFields()  # the one definition of every sampling default (transport/sampling.py)
 
-__all__ = ["GenerationParams", "GenerationResult", "RESULT_FIELDS", "ChatPrompt", "WorkerInfo", "ModelInfo"]
+__all__ = [
+    "GenerationParams",
+    "GenerationResult",
+    "RuntimeGenerationResult",
+    "RESULT_FIELDS",
+    "ChatPrompt",
+    "WorkerInfo",
+    "ModelInfo",
+]
 
 
 @dataclass
@@ -41,6 +52,46 @@ class GenerationParams:
     seed: int | None = _D.seed
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] | None = _D.stop_token_ids  # None: the model's EOS tokens
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeGenerationResult(GenerationResult):
+    """A :class:`GenerationResult` as :class:`~.runtime.SessionRuntime` returns it.
+
+    ``resumed_from_store``: the runtime had evicted the session to the client's store (its
+    ``evict_idle_to_store`` policy) and resumed it from its file before this generation ran; the
+    tokens the file gave back are in ``reused_prompt_tokens``, as for any reuse. False otherwise,
+    including when an evicted session had nothing to save and was reopened empty.
+
+    Not a wire field (the worker never sends it, so it is not in ``RESULT_FIELDS``). A result that
+    is not resumed equals the plain ``GenerationResult`` with the same fields, so comparing with
+    ``GenerationResult.cancelled_locally()`` works as before.
+    """
+
+    resumed_from_store: bool = False
+
+    @classmethod
+    def of(cls, result: GenerationResult, *, resumed_from_store: bool = False) -> RuntimeGenerationResult:
+        """``result`` with ``resumed_from_store`` set."""
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(GenerationResult)}
+        return cls(**fields, resumed_from_store=resumed_from_store)
+
+    @classmethod
+    def from_wire(cls, result: dict, generated_token_ids: list[int]) -> RuntimeGenerationResult:
+        return cls.of(GenerationResult.from_wire(result, generated_token_ids))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GenerationResult):
+            return NotImplemented
+        return _compared(self) == _compared(other)
+
+    # Equal results have equal base fields, so the base hash stays consistent with __eq__.
+    __hash__ = GenerationResult.__hash__
+
+
+def _compared(result: GenerationResult) -> tuple[Any, ...]:
+    base = tuple(getattr(result, f.name) for f in dataclasses.fields(GenerationResult))
+    return (*base, getattr(result, "resumed_from_store", False))
 
 
 _INT_FIELDS = ("max_new_tokens", "top_k")

@@ -23,6 +23,18 @@ writing their own locks:
   worker has ended it. Nothing undoes a completed save or restore. A worker that stops answering
   ends every stuck operation with WorkerDiedError (the client's liveness rule), which frees them.
 
+- **Eviction** (opt-in, ``evict_idle_to_store=True``, needs the client's session store). The runtime
+  tracks the sessions it opened, resumed or restored, in order of last use. When one of those needs
+  a worker slot and none is free (the worker's ``max_sessions`` are all tracked as live, or the worker
+  answers CapacityExhausted), the least recently used *idle* session (no operation in its lane) is
+  saved to the store and closed, under its own lease, and marked evicted; then the open is tried
+  again. With no idle session the call fails with CapacityExhausted at once. A failed save leaves the
+  session live and fails the call with :class:`EvictionFailed`. Any later operation on an evicted
+  session first resumes it from the store, under its lease; its generation's result then says
+  ``resumed_from_store=True``. Evicted sessions are open as far as callers can tell (open and resume
+  raise SessionExists); close forgets one (its file stays), reset empties one without loading it,
+  save is a no-op (its file already holds its committed state).
+
 Each operation holding a lease runs in a trio *system* task, so it outlives a cancelled caller (and
 the caller's nursery); :meth:`SessionRuntime.aclose_worker` waits for all of them before it closes
 the worker.
@@ -34,7 +46,7 @@ checkpoints, so they need no locks.
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -48,12 +60,39 @@ from .errors import (
     InvalidArgument,
     MuxError,
     OperationCancelled,
+    SessionExists,
+    SessionNotFound,
     SlowConsumer,
+    Unsaveable,
     WorkerDiedError,
 )
-from .params import GenerationResult, params_to_wire
+from .params import GenerationResult, RuntimeGenerationResult, params_to_wire
 
-__all__ = ["SessionRuntime", "RuntimeStream"]
+__all__ = ["SessionRuntime", "RuntimeStream", "RuntimeGenerationResult", "EvictionFailed"]
+
+
+class EvictionFailed(CapacityExhausted):
+    """No worker slot was free, and saving the least recently used idle session to the store (so as
+    to evict it) failed. That session stays live, nothing of it is lost, and the operation that
+    needed its slot fails with this error. ``session_id`` names it and ``cause`` is the save's error
+    (also the ``__cause__``). A :class:`CapacityExhausted`, so a server that sheds load on that keeps
+    working; the cause (a full disk, a store refusing the worker) usually needs an operator."""
+
+    def __init__(self, message: str, session_id: str | None = None, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.cause = cause
+        self.__cause__ = cause
+
+
+class _Tracked:
+    """A session this runtime opened, resumed or restored (for the eviction policy and the counts)."""
+
+    __slots__ = ("evicted", "has_file")
+
+    def __init__(self) -> None:
+        self.evicted = False  # its state is in the store, not in a worker slot
+        self.has_file = False  # evicted with state to resume (else it had none: it reopens empty)
 
 
 class _State(enum.Enum):
@@ -76,11 +115,21 @@ class _Op:
         "cancel",
         "scope",
         "follows_caller",
+        "internal",
     )
 
-    def __init__(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        body: Callable[[], Awaitable[Any]],
+        *,
+        follows_caller: bool = False,
+        internal: bool = False,
+    ) -> None:
         self.session_id = session_id
         self.body = body
+        # An eviction: run on behalf of an admitted operation, so not admitted (nor counted) itself.
+        self.internal = internal
         # Checkpoint calls: a cancelled caller cancels the body too (the client's checkpoint calls
         # are cancellable until their transfer starts and shield themselves after that).
         self.follows_caller = follows_caller
@@ -98,8 +147,8 @@ class RuntimeStream:
     """A generation admitted by a :class:`SessionRuntime`; used like a :class:`GenerationStream`.
 
     ``async for text in stream`` yields text deltas, then ``await stream.wait()`` returns the
-    :class:`GenerationResult` (or raises the request's error). :meth:`cancel` stops this generation
-    only: one still waiting for its session's lease never runs and ends with the result of
+    :class:`RuntimeGenerationResult` (or raises the request's error). :meth:`cancel` stops this
+    generation only: one still waiting for its session's lease never runs and ends with the result of
     :meth:`GenerationResult.cancelled_locally`; a running one ends with finish_reason "cancelled".
     A consumer that falls ``DEFAULT_STREAM_BUFFER`` deltas behind gets :class:`SlowConsumer`, as with
     the client's own streams.
@@ -148,7 +197,7 @@ class RuntimeStream:
         self._chunks.append(delta)
         return delta
 
-    async def wait(self) -> GenerationResult:
+    async def wait(self) -> RuntimeGenerationResult:
         """Read the rest of the output and return the result (raises the request's error)."""
         async for _ in self:
             pass
@@ -158,7 +207,7 @@ class RuntimeStream:
         """Cancel this generation only (see the class docstring). Idempotent."""
         self._cancel_requested = True
         if self._op.state is _State.QUEUED:
-            self._runtime._abandon(self._op, value=GenerationResult.cancelled_locally())
+            self._runtime._abandon(self._op, value=RuntimeGenerationResult.cancelled_locally())
         elif self._stream is not None:
             self._stream.cancel()
         # RUNNING with no stream yet: the pump sees _cancel_requested before it sends anything.
@@ -176,10 +225,14 @@ class RuntimeStream:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def _pump(self) -> GenerationResult:
-        """The op's body, in its system task: send the generation, forward its deltas, return its result."""
+    async def _pump(self) -> RuntimeGenerationResult:
+        """The op's body, in its system task: resume an evicted session, send the generation,
+        forward its deltas, return its result."""
         if self._cancel_requested:
-            return GenerationResult.cancelled_locally()
+            return RuntimeGenerationResult.cancelled_locally()
+        resumed = await self._runtime._bring_back(self.session_id)
+        if self._cancel_requested:
+            return RuntimeGenerationResult.of(GenerationResult.cancelled_locally(), resumed_from_store=resumed)
         stream = self._runtime.client.generate(self._prompt, self._params)
         self._stream = stream
         # Drains the client's mailbox promptly, so only this stream's own buffer can overflow.
@@ -199,16 +252,27 @@ class RuntimeStream:
         result = await stream.wait()
         if self._overflow is not None:
             raise self._overflow
-        return result
+        return RuntimeGenerationResult.of(result, resumed_from_store=resumed)
 
 
 class SessionRuntime:
     """Per-session FIFO leases and bounded admission over ``client`` (see the module docstring).
 
     ``max_concurrent_requests`` lowers the capacity below the worker's ``max_inflight_requests``.
+    ``evict_idle_to_store=True`` lets more sessions be open than the worker has slots: the least
+    recently used idle session is saved to the client's session store and closed when a slot is
+    needed, and resumed from it on its next use (docs/RUNTIME.md, "Eviction"). It needs the client's
+    ``session_store`` (else InvalidArgument), and every session must then be used through this
+    runtime only: one opened or closed with the client directly is not tracked.
     """
 
-    def __init__(self, client: MultiplexedWorkerClient, *, max_concurrent_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        client: MultiplexedWorkerClient,
+        *,
+        max_concurrent_requests: int | None = None,
+        evict_idle_to_store: bool = False,
+    ) -> None:
         if max_concurrent_requests is not None and (
             isinstance(max_concurrent_requests, bool)
             or not isinstance(max_concurrent_requests, int)
@@ -217,20 +281,40 @@ class SessionRuntime:
             raise InvalidArgument(
                 f"max_concurrent_requests must be a positive integer or None, got {max_concurrent_requests!r}"
             )
+        if not isinstance(evict_idle_to_store, bool):
+            raise InvalidArgument(f"evict_idle_to_store must be a bool, got {evict_idle_to_store!r}")
         if not isinstance(client, MultiplexedWorkerClient):
             raise InvalidArgument(f"client must be a MultiplexedWorkerClient, got {type(client).__name__}")
         if client.info is None:
             raise InvalidArgument("the client has not connected to its worker yet (use spawn_multiplexed_worker)")
+        if evict_idle_to_store:
+            if client.session_store is None:
+                raise InvalidArgument(
+                    "evict_idle_to_store needs the client's session_store (pass session_store= to "
+                    "spawn_multiplexed_worker): evicted sessions are saved there"
+                )
+            client.session_store.check_worker(client.info)  # a mismatch fails here, not at the first eviction
         self.client = client
         limits = [client.info.limits["max_inflight_requests"], max_concurrent_requests]
         self.capacity: int = min(n for n in limits if n is not None)
+        self.evict_idle_to_store = evict_idle_to_store
+        max_sessions = client.info.limits.get("max_sessions")
+        self._max_sessions: int | None = max_sessions if isinstance(max_sessions, int) and max_sessions > 0 else None
         # Session id -> its admitted, unsettled operations: the head holds the lease (RUNNING),
         # the rest are QUEUED in arrival order. A lane is removed when it empties.
         self._lanes: dict[str, deque[_Op]] = {}
         self._admitted = 0
-        self._all_settled = trio.Event()  # set while nothing is admitted
+        self._evicting = 0  # evictions running (internal operations; not admitted)
+        self._all_settled = trio.Event()  # set while nothing is admitted or evicting
         self._all_settled.set()
         self._closing = False
+        # The sessions opened, resumed or restored here, least recently used first.
+        self._sessions: OrderedDict[str, _Tracked] = OrderedDict()
+        self._live = 0  # of those, the ones holding a worker slot
+        self._freeing = 0  # evicted or closed here, their slot not yet freed by the worker
+        self._evictions = 0
+        self._resumes = 0
+        self._eviction_failures = 0
 
     # -- introspection (tests and metrics) --------------------------------------------------------
 
@@ -241,8 +325,30 @@ class SessionRuntime:
 
     @property
     def leased_sessions(self) -> int:
-        """Sessions with an operation admitted and not yet settled."""
+        """Sessions with an operation admitted and not yet settled (or being evicted)."""
         return len(self._lanes)
+
+    @property
+    def session_stats(self) -> dict[str, int]:
+        """Counts for metrics: ``live`` (tracked sessions in a worker slot), ``evicted`` (tracked
+        sessions whose state waits in the store), and since the start ``evictions``,
+        ``resumes_from_store`` and ``eviction_failures`` (saves that failed, leaving their session
+        live). Only sessions opened, resumed or restored through this runtime are tracked."""
+        return {
+            "live": self._live,
+            "evicted": len(self._sessions) - self._live,
+            "evictions": self._evictions,
+            "resumes_from_store": self._resumes,
+            "eviction_failures": self._eviction_failures,
+        }
+
+    def session_state(self, session_id: str) -> str | None:
+        """``"live"``, ``"evicted"``, or None for a session this runtime does not track (never
+        opened here, or closed)."""
+        tracked = self._sessions.get(session_id)
+        if tracked is None:
+            return None
+        return "evicted" if tracked.evicted else "live"
 
     # -- admission and leases ---------------------------------------------------------------------
 
@@ -255,14 +361,18 @@ class SessionRuntime:
         if self._admitted >= self.capacity:
             raise CapacityExhausted(f"{self._admitted} operations are admitted (capacity {self.capacity})")
         op = _Op(session_id, body, follows_caller=follows_caller)
-        lane = self._lanes.setdefault(session_id, deque())
-        lane.append(op)
+        self._enqueue(op)
         self._admitted += 1
+        self._touch(session_id)
+        return op
+
+    def _enqueue(self, op: _Op) -> None:
+        lane = self._lanes.setdefault(op.session_id, deque())
+        lane.append(op)
         if self._all_settled.is_set():
             self._all_settled = trio.Event()
         if len(lane) == 1:
             self._start(op)
-        return op
 
     def _start(self, op: _Op) -> None:
         """Give ``op`` its session's lease and run it in a system task, so it outlives its caller."""
@@ -306,12 +416,16 @@ class SessionRuntime:
         if op.on_settle is not None:
             op.on_settle()
         op.done.set()
-        self._admitted -= 1
+        if op.internal:
+            self._evicting -= 1
+        else:
+            self._admitted -= 1
+            self._touch(op.session_id)
         if not lane:
             del self._lanes[op.session_id]
         elif held_lease:
             self._start(lane[0])
-        if self._admitted == 0:
+        if self._admitted == 0 and self._evicting == 0:
             self._all_settled.set()
 
     async def _call(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> Any:
@@ -327,13 +441,140 @@ class SessionRuntime:
             raise _fresh(op.error)
         return op.value
 
+    # -- tracking and eviction --------------------------------------------------------------------
+    #
+    # A tracked session's record changes only in an operation holding its lease (or synchronously
+    # as an eviction takes that lease), so an operation sees its own session's state stay put.
+
+    def _touch(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            self._sessions.move_to_end(session_id)
+
+    def _track_live(self, session_id: str) -> None:
+        """``session_id`` now holds a worker slot (opened, resumed or restored here)."""
+        tracked = self._sessions.get(session_id)
+        if tracked is None:
+            self._sessions[session_id] = _Tracked()
+            self._live += 1
+        elif tracked.evicted:
+            tracked.evicted = False
+            self._live += 1
+        self._sessions.move_to_end(session_id)
+
+    def _forget(self, session_id: str) -> None:
+        tracked = self._sessions.pop(session_id, None)
+        if tracked is not None and not tracked.evicted:
+            self._live -= 1
+
+    def _refuse_if_tracked(self, session_id: str) -> None:
+        """SessionExists for a session that is open as far as callers can tell: evicted, or (with
+        eviction on) live. Raised before a slot is made for it; the worker would say the same."""
+        tracked = self._sessions.get(session_id)
+        if tracked is not None and (tracked.evicted or self.evict_idle_to_store):
+            where = "evicted to the store" if tracked.evicted else "live"
+            raise SessionExists(f"session {session_id!r} is already open ({where})")
+
+    async def _with_slot(self, session_id: str, attempt: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``attempt`` (an open, resume or restore of ``session_id``), evicting idle sessions
+        first while no slot is free. Raises CapacityExhausted when none is idle."""
+        if not self.evict_idle_to_store:
+            return await attempt()
+        # Each round evicts one session or raises; the bound only stops a pathological ping-pong
+        # with other operations taking every freed slot.
+        for _ in range(max(8, 2 * (self._max_sessions or 0) + 2)):
+            if self._max_sessions is not None and self._live + self._freeing >= self._max_sessions:
+                await self._evict_one(session_id)
+                continue
+            try:
+                return await attempt()
+            except CapacityExhausted:
+                await self._evict_one(session_id)
+        raise CapacityExhausted(f"no session slot stayed free for {session_id!r}: other operations took each one")
+
+    async def _evict_one(self, for_session: str) -> None:
+        """Evict the least recently used idle tracked session, under its lease; raise
+        CapacityExhausted when there is none, EvictionFailed when its save failed."""
+        victim = next(
+            (
+                sid
+                for sid, tracked in self._sessions.items()
+                if not tracked.evicted and sid not in self._lanes and sid != for_session
+            ),
+            None,
+        )
+        if victim is None:
+            raise CapacityExhausted(
+                f"all session slots are in use and no idle session can be evicted to make room for "
+                f"{for_session!r} (every live session has an operation admitted)"
+            )
+        op = _Op(victim, lambda: self._evict(victim), internal=True)
+        self._evicting += 1
+        self._enqueue(op)  # its lane was empty: it holds the lease at once
+        # A cancelled caller leaves it running: the eviction completes (or fails) under its lease.
+        await op.done.wait()
+        if op.error is not None:
+            raise _fresh(op.error)
+
+    async def _evict(self, session_id: str) -> None:
+        """Body of an eviction: save, close, mark evicted. A failed save keeps the session live."""
+        has_file = True
+        try:
+            await self.client.save_session(session_id)
+        except Unsaveable:
+            # No committed state to keep (opened or reset and not generated since, or its last
+            # generation failed, which empties it): it will be reopened empty.
+            has_file = False
+        except SessionNotFound:
+            self._forget(session_id)  # no longer in the worker (closed behind the runtime's back)
+            return
+        except (WorkerDiedError, ClientClosedError):
+            raise
+        except Exception as exc:
+            self._eviction_failures += 1
+            raise EvictionFailed(
+                f"no session slot is free, and evicting the least recently used idle session {session_id!r} failed: "
+                f"saving it to the store raised {type(exc).__name__}: {exc}. It stays live; nothing was lost",
+                session_id,
+                exc,
+            ) from exc
+        # Counted as evicted before its slot is freed, so the live count never exceeds the slots the
+        # worker has (another operation may fill this slot before this task runs again); the
+        # slots check counts it as closing until the worker has freed the slot.
+        tracked = self._sessions[session_id]
+        tracked.evicted = True
+        tracked.has_file = has_file
+        self._live -= 1
+        self._evictions += 1
+        self._freeing += 1
+        try:
+            await self.client.close_session(session_id)
+        except SessionNotFound:
+            pass
+        finally:
+            self._freeing -= 1
+
+    async def _bring_back(self, session_id: str) -> bool:
+        """Under ``session_id``'s lease: if it is evicted, resume it from the store (or reopen it
+        empty when it had nothing to save), making room first. Returns whether it was resumed."""
+        tracked = self._sessions.get(session_id)
+        if tracked is None or not tracked.evicted:
+            return False
+        if tracked.has_file:
+            await self._with_slot(session_id, lambda: self.client.resume_session(session_id))
+            self._resumes += 1
+        else:
+            await self._with_slot(session_id, lambda: self.client.open_session(session_id))
+        self._track_live(session_id)
+        return tracked.has_file
+
     # -- operations -------------------------------------------------------------------------------
 
     def generate(self, session_id: str, prompt: str | Sequence[int] | Sequence[Any], params: Any) -> RuntimeStream:
         """Admit a generation on ``session_id`` and return its stream (raises CapacityExhausted at once).
 
         ``params`` is a :class:`GenerationParams` or any object with its attributes; its
-        ``session_id`` may be left out (or None), and must otherwise equal ``session_id``.
+        ``session_id`` may be left out (or None), and must otherwise equal ``session_id``. An
+        evicted session is resumed from the store first (its result says ``resumed_from_store``).
         """
         given = getattr(params, "session_id", None)
         if given is not None and not (isinstance(given, str) and given == session_id):
@@ -347,31 +588,87 @@ class SessionRuntime:
         return stream
 
     async def open_session(self, session_id: str) -> None:
-        return await self._call(session_id, lambda: self.client.open_session(session_id))
+        """Open an empty session, evicting an idle one first if that is on and no slot is free."""
+
+        async def body() -> None:
+            self._refuse_if_tracked(session_id)
+            await self._with_slot(session_id, lambda: self.client.open_session(session_id))
+            self._track_live(session_id)
+
+        return await self._call(session_id, body)
 
     async def close_session(self, session_id: str) -> None:
-        return await self._call(session_id, lambda: self.client.close_session(session_id))
+        """Close a session. An evicted one is only forgotten: its file stays in the store, as after a save."""
+
+        async def body() -> None:
+            tracked = self._sessions.get(session_id)
+            if tracked is not None and tracked.evicted:
+                self._forget(session_id)
+                return
+            live = tracked is not None
+            # Forgotten before the worker frees the slot, so the live count never exceeds the slots.
+            self._forget(session_id)
+            self._freeing += live
+            try:
+                await self.client.close_session(session_id)
+            finally:
+                self._freeing -= live
+
+        return await self._call(session_id, body)
 
     async def reset_session(self, session_id: str) -> None:
-        return await self._call(session_id, lambda: self.client.reset_session(session_id))
+        """Forget a session's history and keep it open. An evicted one is not loaded: it stays
+        evicted with nothing to resume, and its next use reopens it empty (its file stays)."""
+
+        async def body() -> None:
+            tracked = self._sessions.get(session_id)
+            if tracked is not None and tracked.evicted:
+                tracked.has_file = False
+                return
+            await self.client.reset_session(session_id)
+
+        return await self._call(session_id, body)
 
     async def save_session(self, session_id: str) -> None:
         """Save the session to the client's store after every earlier operation on it (a running
-        generation included)."""
-        return await self._call(session_id, lambda: self.client.save_session(session_id), follows_caller=True)
+        generation included). For an evicted session there is nothing to do: its file already holds
+        its committed state (Unsaveable if it had none)."""
+
+        async def body() -> None:
+            tracked = self._sessions.get(session_id)
+            if tracked is not None and tracked.evicted:
+                if not tracked.has_file:
+                    raise Unsaveable(f"session {session_id!r} cannot be saved: empty")
+                return
+            await self.client.save_session(session_id)
+
+        return await self._call(session_id, body, follows_caller=True)
 
     async def resume_session(self, session_id: str) -> str:
-        """Restore the session's saved file into a new live session of that id; returns the id."""
-        return await self._call(session_id, lambda: self.client.resume_session(session_id), follows_caller=True)
+        """Restore the session's saved file into a new live session of that id; returns the id.
+        An evicted session counts as open (SessionExists): its next use resumes it anyway."""
+
+        async def body() -> str:
+            self._refuse_if_tracked(session_id)
+            await self._with_slot(session_id, lambda: self.client.resume_session(session_id))
+            self._track_live(session_id)
+            return session_id
+
+        return await self._call(session_id, body, follows_caller=True)
 
     async def export_checkpoint_to_cpu(
         self, session_id: str, position: int | None = None, identity: str | None = None
     ) -> CPUCheckpoint:
-        return await self._call(
-            session_id,
-            lambda: self.client.export_checkpoint_to_cpu(session_id, position, identity),
-            follows_caller=True,
-        )
+        """A host copy of the session's committed state; an evicted session is resumed first."""
+
+        async def body() -> CPUCheckpoint:
+            tracked = self._sessions.get(session_id)
+            if tracked is not None and tracked.evicted and not tracked.has_file:
+                raise Unsaveable(f"session {session_id!r} cannot be saved: empty")
+            await self._bring_back(session_id)
+            return await self.client.export_checkpoint_to_cpu(session_id, position, identity)
+
+        return await self._call(session_id, body, follows_caller=True)
 
     async def restore_checkpoint_from_cpu(
         self,
@@ -380,11 +677,17 @@ class SessionRuntime:
         position: int | None = None,
         expected_identity: str | None = None,
     ) -> None:
-        return await self._call(
-            session_id,
-            lambda: self.client.restore_checkpoint_from_cpu(checkpoint, session_id, position, expected_identity),
-            follows_caller=True,
-        )
+        """Restore ``checkpoint`` into the unused session id (an evicted one counts as used)."""
+
+        async def body() -> None:
+            self._refuse_if_tracked(session_id)
+            await self._with_slot(
+                session_id,
+                lambda: self.client.restore_checkpoint_from_cpu(checkpoint, session_id, position, expected_identity),
+            )
+            self._track_live(session_id)
+
+        return await self._call(session_id, body, follows_caller=True)
 
     async def aclose_worker(self) -> None:
         """Refuse new operations, let every admitted one settle, then close the worker.
@@ -392,6 +695,7 @@ class SessionRuntime:
         Idempotent. If the caller is cancelled while waiting, generations are cancelled (waiting
         ones never run), the worker is closed at once, and the remaining operations settle (those
         still waiting for a lease fail with ClientClosedError) before the Cancelled propagates.
+        Evicted sessions stay in the store (closing never saves a live one).
         """
         self._closing = True
         try:
@@ -441,5 +745,6 @@ def _fresh(exc: BaseException) -> BaseException:
         except Exception:
             return exc
         new.__dict__.update(vars(exc))
+        new.__cause__ = exc.__cause__
         return new
     return exc
