@@ -29,15 +29,30 @@ class Penalties:
         self.counts[token] += 1
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalized float32 logits [V] (a new tensor)."""
+        """Penalized float32 logits [V] (a new tensor).
+
+        Only the penalized tokens change (an extreme penalty times a zero count must not turn the
+        other logits into NaN), and the result is clamped to float32's finite range: an absurd but
+        valid penalty pushes a token to the top or bottom of the distribution, never to inf (which
+        softmax turns into NaN). NaN logits of the model itself stay NaN, for sample() to refuse."""
         p = self.params
         out = logits.clone()
         if p.repetition_penalty != 1.0:
-            seen = out[self.seen]
-            out[self.seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+            seen = out[self.seen].double()
+            out[self.seen] = _finite(torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty))
         if p.presence_penalty or p.frequency_penalty:
-            out -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
+            hit = self.counts > 0
+            penalty = p.frequency_penalty * self.counts[hit].double() + p.presence_penalty
+            out[hit] = _finite(out[hit].double() - penalty)
         return out
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """float32 of ``x`` clamped to the finite range (NaN stays NaN)."""
+    return x.clamp(-_F32_MAX, _F32_MAX).float()
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingFields) -> torch.Tensor:
@@ -49,7 +64,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingFields) -> torch.Tenso
     """
     if params.greedy:
         raise ValueError("processed_probs needs a sampling temperature (greedy picks the argmax)")
-    scores = logits / float(params.temperature)
+    scores = _finite(logits.double() / float(params.temperature))  # a tiny temperature: large, not inf
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -59,6 +74,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingFields) -> torch.Tenso
         cum = torch.cumsum(probs, dim=-1)
         # Drop tokens once the mass before them reaches top_p; always keep the first.
         drop = (cum - probs) >= params.top_p
+        drop[..., 0] = False  # a top_p below float32's smallest value compares as 0 >= 0
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)

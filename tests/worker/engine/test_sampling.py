@@ -16,7 +16,7 @@ from muxworker.client.params import GenerationParams
 from muxworker.transport.errors import ContextOverflow, InvalidArgument
 from muxworker.transport.sampling import SAMPLING_FIELD_NAMES, TEMPERATURE_FLOOR, SamplingFields
 from muxworker.transport.schema import MESSAGES
-from muxworker.worker.engine.sampling import Penalties, SamplingParams, processed_probs, sample
+from muxworker.worker.engine.sampling import Penalties, SamplingError, SamplingParams, processed_probs, sample
 
 
 def test_one_definition_of_the_sampling_fields():
@@ -170,3 +170,29 @@ def _engine(model):
     for sid in eng.session_ids():
         eng.close_session(sid)
     return eng
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"repetition_penalty": 5e-324},  # the seen tokens' positive logits / 5e-324: inf in float32
+        {"repetition_penalty": 5e-324, "presence_penalty": -2.0, "frequency_penalty": -2.0},
+        {"repetition_penalty": 100.0, "presence_penalty": 2.0},
+        {"temperature": 1.0001e-5, "repetition_penalty": 1e-30},
+        {"temperature": 1e300},
+        {"temperature": 1.0, "top_p": 5e-324},  # rounds to 0 in float32: the top token must stay
+    ],
+)
+def test_extreme_valid_penalties_and_temperatures_still_give_a_distribution(fields):
+    # Valid but absurd values push tokens to the top or bottom; they never make the logits NaN
+    # (an inf penalty times a zero count) or inf (which softmax turns into NaN).
+    params = SamplingParams(**{"temperature": 0.7, **fields})
+    params.validate(50)
+    logits = torch.linspace(-3, 3, 50)
+    penalties = Penalties(params, [1, 2, 45, 46], 50)  # seen tokens with negative and positive logits
+    penalties.push(7)
+    penalties.push(48)
+    token = sample(logits, params, torch.Generator().manual_seed(0), penalties)
+    assert 0 <= token < 50
+    with pytest.raises(SamplingError):  # the model's own NaN logits are still refused
+        sample(torch.full((50,), float("nan")), params, torch.Generator().manual_seed(0), penalties)
