@@ -56,8 +56,9 @@ from .errors import (
     WorkerStartupError,
 )
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
-from .runtime import RuntimeStream, SessionRuntime
-from .store import ConfigurationMismatch, SessionStore, StorePermissionError
+from .runtime import EvictionFailed, RuntimeGenerationResult, RuntimeStream, SessionRuntime
+from .sessions import SaveResult
+from .store import ConfigurationMismatch, SaveConflict, SessionInfo, SessionStore, StoreBusy, StorePermissionError
 
 __all__ = [
     # client
@@ -94,6 +95,12 @@ __all__ = [
     # checkpoints and storage
     "CPUCheckpoint",
     "SessionStore",
+    "SessionInfo",
+    "SaveResult",
+    "EvictionFailed",
+    "RuntimeGenerationResult",
+    "SaveConflict",
+    "StoreBusy",
     "StorePermissionError",
     "checkpoint_identity",
     "save_checkpoint",

@@ -51,7 +51,14 @@ from .connection import LOSS_SETTLE_S, Connection, Request, fresh
 from .errors import ClientClosedError, ContextOverflow, WorkerStartupError
 from .params import ChatPrompt, params_to_wire
 from .process import WorkerProcess, default_worker_command, heartbeat_args
-from .sessions import CheckpointQueue, check_identity, check_identity_arg, check_position, require_store
+from .sessions import (
+    CheckpointQueue,
+    SaveResult,
+    check_identity,
+    check_identity_arg,
+    check_position,
+    require_store,
+)
 
 if TYPE_CHECKING:
     from .store import SessionStore
@@ -262,6 +269,8 @@ class MultiplexedWorkerClient:
                     nursery.start_soon(process.pump_stderr)
                     try:
                         self.info = await process.handshake(connection.reader, self._startup_timeout, LOSS_SETTLE_S)
+                        if self.info.files:
+                            connection.files = process.files
                     except WorkerStartupError as exc:
                         # Raised below, outside the nursery, so the caller sees it as is.
                         startup_error = exc
@@ -441,25 +450,34 @@ class MultiplexedWorkerClient:
         check_identity(checkpoint, expected_identity)
         await self._checkpoints.restore(self._conn, checkpoint, session_id, position)
 
-    async def save_session(self, session_id: str) -> None:
-        """Export the idle session and atomically replace its file in the session store.
+    async def save_session(self, session_id: str) -> SaveResult:
+        """Save the idle session to the session store, atomically: the previous save stays
+        loadable until the new one is complete.
 
-        Cancellable while queued behind other checkpoint operations and until the export request
+        The worker writes the session's KV rows straight from its cache into a file the store
+        created and vetted (passed as an open descriptor), and only the positions after the
+        previous save of the session when its cache still holds exactly those rows; the store then
+        replaces the session's manifest. Returns what was written (:class:`SaveResult`).
+
+        Cancellable while queued behind other checkpoint operations and until the save request
         is written; after that it runs to its end (the file is written) and a cancel takes effect
         at the caller's next checkpoint. A worker that stops answering ends it with WorkerDiedError.
         """
         _check_session_id(session_id)
         store = require_store(self.session_store, self.info)
-        await self._checkpoints.save(self._conn, store, session_id)
+        return await self._checkpoints.save(self._conn, store, session_id, self.info)
 
     async def resume_session(self, session_id: str) -> str:
-        """Load the session's file from the store and restore it into a new live session of that id.
+        """Restore the session saved in the store into a new live session of that id.
 
-        Cancellable while queued, while the file is read and until the restore request is written.
+        The store vets and opens the session's files; the worker reads them straight into a free
+        cache slot and checks every checksum before it publishes the session (a failed resume
+        leaves the id unused). Cancellable while queued, while the files are opened and until the
+        restore request is written.
         """
         _check_session_id(session_id)
         store = require_store(self.session_store, self.info)
-        await self._checkpoints.resume(self._conn, store, session_id)
+        await self._checkpoints.resume(self._conn, store, session_id, self.info)
         return session_id
 
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 import enum
 import math
 import select
+import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import trio
 
 from muxworker.transport.errors import InvalidArgument, MuxError, ProtocolError, error_from_wire
+from muxworker.transport.fdpass import send_files
 from muxworker.transport.framing import Frame, payload_array
 from muxworker.transport.messages import GenerationResult
 from muxworker.transport.schema import validate
@@ -109,6 +111,7 @@ class Request:
         "error",
         "cancel_sent",
         "launched",
+        "fds",
     )
 
     def __init__(self, rid: int, kind: str, expect: frozenset[str], frame: Frame, buffer: int) -> None:
@@ -124,6 +127,7 @@ class Request:
         self.error: BaseException | None = None  # why it failed; None with no value: the client is unusable
         self.cancel_sent = False
         self.launched = trio.Event()  # set once it is SENT (its frame is being written) or settled
+        self.fds: list[int] = []  # open files passed with the frame (transport/fdpass.py); the caller owns them
 
 
 ABANDONED = object()  # the value of a request whose caller stopped waiting
@@ -184,6 +188,8 @@ class Connection:
         self._pending_since = 0.0
         self._work_arrived = trio.Event()
         self._hung = False  # declared dead for silence
+        # The client's end of the worker's file channel, when its hello says it takes files.
+        self.files: socket.socket | None = None
 
     @property
     def is_usable(self) -> bool:
@@ -263,6 +269,15 @@ class Connection:
                 frame, request.frame = item.frame, None
             else:
                 frame = Frame({"kind": "cancel", "id": item})
+            if request is not None and request.fds:
+                # The files go first, so the worker finds them queued when it reads the frame.
+                try:
+                    if self.files is None:
+                        raise OSError("this worker takes no files")
+                    send_files(self.files, request.rid, request.fds)
+                except OSError as exc:
+                    self._settle(request, error=InvalidArgument(f"cannot pass the checkpoint files: {exc}"))
+                    continue
             try:
                 async with self._write_lock:
                     await self.writer.send(frame)
@@ -361,7 +376,7 @@ class Connection:
                 self._slow_consumer(request)
             return
         if kind == "error":
-            self._settle(request, error=error_from_wire(control["code"], control["message"]))
+            self._settle(request, error=error_from_wire(control["code"], control["message"], control.get("reason")))
             return
         if kind not in request.expect:
             raise ProtocolError(f"{kind} frame for request {rid}, a {request.kind!r} request")
@@ -403,7 +418,14 @@ class Connection:
             raise ClientClosedError("the client is closed")
 
     def submit(
-        self, kind: str, fields: dict[str, Any], payloads: Sequence[Any] | None = None, *, expect: str, buffer: int = 1
+        self,
+        kind: str,
+        fields: dict[str, Any],
+        payloads: Sequence[Any] | None = None,
+        *,
+        expect: str,
+        buffer: int = 1,
+        fds: Sequence[int] = (),
     ) -> Request:
         """Register a request and queue its frame, in call order. Does not block."""
         self.check_usable()
@@ -411,6 +433,7 @@ class Connection:
         rid = self._last_id
         frame = Frame({"kind": kind, "id": rid, **fields}, list(payloads or []))
         request = Request(rid, kind, frozenset((expect,)), frame, buffer)
+        request.fds = list(fds)
         if not self._pending:
             self._pending_since = trio.current_time()  # the liveness clock starts now, not at the last frame
             self._work_arrived.set()
@@ -451,13 +474,20 @@ class Connection:
                 self._settle(request, value=ABANDONED)
 
     async def transfer(
-        self, kind: str, fields: dict[str, Any], payloads: Sequence[Any] | None = None, *, expect: str
+        self,
+        kind: str,
+        fields: dict[str, Any],
+        payloads: Sequence[Any] | None = None,
+        *,
+        expect: str,
+        fds: Sequence[int] = (),
     ) -> Any:
         """Like :meth:`call`, for checkpoint transfers: cancellable until the request frame starts to
         be written (then it is never sent); from then on shielded until the reply, or the worker's
-        death (the liveness rule), settles it, and a cancel takes effect at the next checkpoint."""
+        death (the liveness rule), settles it, and a cancel takes effect at the next checkpoint.
+        ``fds``: open files passed with the frame (they stay open; close them after this returns)."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        request = self.submit(kind, fields, payloads, expect=expect)
+        request = self.submit(kind, fields, payloads, expect=expect, fds=fds)
         try:
             await request.launched.wait()
         except trio.Cancelled:

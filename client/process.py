@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 from collections import deque
@@ -23,6 +24,7 @@ import trio
 
 from muxworker.transport.errors import ProtocolError
 from muxworker.transport.fdio import WorkerPipes
+from muxworker.transport.fdpass import FileChannelPair
 from muxworker.transport.messages import WorkerInfo
 from muxworker.transport.schema import check_hello
 from muxworker.transport.trio_stream import TrioFrameReader
@@ -83,6 +85,9 @@ class WorkerProcess:
         self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self.stderr_done = trio.Event()
         self.hung = False  # declared dead for silence: reaped with SIGKILL at once
+        # The client's end of the file channel (transport/fdpass.py), once spawned; the connection
+        # sends checkpoint files through it when the worker's hello says it takes them.
+        self.files: socket.socket | None = None
 
     @property
     def pid(self) -> int | None:
@@ -110,27 +115,35 @@ class WorkerProcess:
         except OSError as exc:
             raise WorkerStartupError(f"cannot create the worker's pipes: {exc}") from exc
         try:
+            files = FileChannelPair()
+        except OSError as exc:
+            pipes.close()
+            raise WorkerStartupError(f"cannot create the worker's file channel: {exc}") from exc
+        try:
             try:
                 self.process = await trio.lowlevel.open_process(
-                    [*self.command, *pipes.worker_args(), *extra_args],
+                    [*self.command, *pipes.worker_args(), *files.worker_args(), *extra_args],
                     stdin=subprocess.DEVNULL,
                     # stdout and stderr share one pipe: the worker points its fd 1 at stderr anyway, and
                     # a print before that (a wrapper script, a site hook) is captured the same way.
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
-                    pass_fds=pipes.pass_fds,
+                    pass_fds=(*pipes.pass_fds, *files.pass_fds),
                     env=self._env,
                     cwd=self._cwd,
                 )
             finally:
                 # Only the child may hold its ends, so that its exit is seen as EOF here.
                 pipes.close_worker_ends()
+                files.close_worker_end()
             reply = trio.lowlevel.FdStream(pipes.reply_read)
             pipes.reply_read = -1  # the stream owns it now
             control = trio.lowlevel.FdStream(pipes.control_write)
             pipes.control_write = -1
+            self.files, files.client = files.client, None
         except BaseException as exc:
             pipes.close()
+            files.close()
             if isinstance(exc, OSError):
                 raise WorkerStartupError(f"cannot start {self.command[0]!r}: {exc}") from exc
             raise
@@ -189,6 +202,9 @@ class WorkerProcess:
         if process.returncode is None:
             process.kill()
             await process.wait()
+        if self.files is not None:
+            self.files.close()
+            self.files = None
 
     def mark_hung(self) -> None:
         """The worker went silent: the next reap kills it at once (a stopped process ignores SIGTERM)."""

@@ -229,7 +229,7 @@ class RuntimeStream:
         """The op's body, in its system task: resume an evicted session, send the generation,
         forward its deltas, return its result."""
         if self._cancel_requested:
-            return RuntimeGenerationResult.cancelled_locally()
+            return RuntimeGenerationResult.of(GenerationResult.cancelled_locally())
         resumed = await self._runtime._bring_back(self.session_id)
         if self._cancel_requested:
             return RuntimeGenerationResult.of(GenerationResult.cancelled_locally(), resumed_from_store=resumed)

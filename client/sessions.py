@@ -14,6 +14,7 @@ result behind); a worker that stops answering ends it through the liveness rule.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -33,7 +34,23 @@ if TYPE_CHECKING:
 
     from .store import SessionStore
 
-__all__ = ["CheckpointQueue"]
+__all__ = ["CheckpointQueue", "SaveResult"]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a ``save_session`` wrote: positions ``[start, position)`` of the session (``start`` > 0:
+    an incremental save on top of the previous one; ``start == position``: nothing was new), their
+    token ids and KV rows in ``payload_bytes``, and how many segment files the session now has."""
+
+    position: int
+    start: int
+    payload_bytes: int
+    segments: int
+
+    @property
+    def incremental(self) -> bool:
+        return self.start > 0
 
 
 class CheckpointQueue:
@@ -56,17 +73,72 @@ class CheckpointQueue:
         async with self._lock:
             await _restore(connection, checkpoint, session_id, position)
 
-    async def save(self, connection: Connection, store: SessionStore, session_id: str) -> None:
+    async def save(
+        self, connection: Connection, store: SessionStore, session_id: str, info: WorkerInfo | None
+    ) -> SaveResult:
+        """Save through the worker's file channel when it has one (the worker writes the rows
+        straight from its cache into a segment the store created; only what is new since the last
+        save), else export through the pipe and write the file here."""
         async with self._lock:
-            checkpoint = await _export(connection, session_id, None, store.identity)
+            if not _takes_files(connection, info):
+                checkpoint = await _export(connection, session_id, None, store.identity)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(store.save, session_id, checkpoint)
+                return SaveResult(checkpoint.position, 0, checkpoint.nbytes, 1)
+            plan = await trio.to_thread.run_sync(store.begin_save, session_id)
+            try:
+                fields = {
+                    "session_id": session_id,
+                    "fds": 1,
+                    "tag": plan.tag,
+                    "base": store.base_of(plan),
+                    "identity": store.identity,
+                    "max_bytes": store.max_bytes,
+                }
+                written = await connection.transfer("save_file", fields, expect="ok", fds=[plan.fd])
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(store.abort_save, plan)
+                raise
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(store.save, session_id, checkpoint)
+                manifest = await trio.to_thread.run_sync(
+                    store.commit_save, plan, written, written["format"], written["geometry"]
+                )
+            return SaveResult(written["position"], written["start"], written["payload_bytes"], len(manifest.segments))
 
-    async def resume(self, connection: Connection, store: SessionStore, session_id: str) -> None:
+    async def resume(
+        self, connection: Connection, store: SessionStore, session_id: str, info: WorkerInfo | None
+    ) -> None:
+        """Restore through the worker's file channel when it has one (the store vets and opens the
+        files; the worker reads them straight into a free slot), else load here and send them."""
         async with self._lock:
-            # A cancel during the read takes effect when it returns, before anything is sent.
-            checkpoint = await trio.to_thread.run_sync(store.load, session_id)
-            await _restore(connection, checkpoint, session_id, None)
+            if not _takes_files(connection, info):
+                # A cancel during the read takes effect when it returns, before anything is sent.
+                checkpoint = await trio.to_thread.run_sync(store.load, session_id)
+                await _restore(connection, checkpoint, session_id, None)
+                return
+            plan = await trio.to_thread.run_sync(store.begin_resume, session_id)
+            try:
+                fields: dict[str, Any] = {
+                    "session_id": session_id,
+                    "fds": len(plan.fds),
+                    "identity": store.identity,
+                    "max_bytes": store.max_bytes,
+                }
+                if plan.manifest is None:
+                    fields["legacy"] = True
+                else:
+                    fields["tag"] = plan.manifest.tag
+                    fields["segments"] = [ref.to_wire() for ref in plan.manifest.segments]
+                await connection.transfer("restore_file", fields, expect="ok", fds=plan.fds)
+            finally:
+                plan.close()
+
+
+def _takes_files(connection: Connection, info: WorkerInfo | None) -> bool:
+    """Whether checkpoints go through the worker's file channel: it has one, and runs no draft
+    model (whose state only the in-memory checkpoint carries)."""
+    return connection.files is not None and info is not None and info.files and not info.limits.get("n_draft")
 
 
 def require_store(store: SessionStore | None, info: WorkerInfo | None) -> SessionStore:

@@ -15,15 +15,21 @@ writer is running.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +42,7 @@ from muxworker.transport.checkpoint import (
     CheckpointIncompatible,
     CheckpointNotFound,
     CheckpointReadError,
+    CheckpointTooLarge,
     CheckpointUnsafePath,
     CheckpointWriteError,
     CPUCheckpoint,
@@ -43,17 +50,55 @@ from muxworker.transport.checkpoint import (
     checkpoint_identity_inputs,
 )
 from muxworker.transport.checkpoint.errors import os_failure
-from muxworker.transport.checkpoint.file import read_checkpoint_file, write_checkpoint_file
+from muxworker.transport.checkpoint.file import (
+    _identity_mismatch,
+    _open_regular,
+    read_checkpoint_file,
+    replace_file,
+    write_checkpoint_file,
+)
+from muxworker.transport.checkpoint.segments import (
+    SEGMENTED_VERSION,
+    LayerRows,
+    SegmentRef,
+    SessionManifest,
+    assemble_checkpoint,
+    byte_view,
+    check_chain,
+    encode_session_manifest,
+    file_version,
+    read_payload_into,
+    read_segment_header,
+    read_session_manifest,
+    write_segment,
+)
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
     from .params import WorkerInfo
 
-__all__ = ["SessionStore", "StorePermissionError", "ConfigurationMismatch"]
+__all__ = [
+    "SessionStore",
+    "StorePermissionError",
+    "ConfigurationMismatch",
+    "StoreBusy",
+    "SaveConflict",
+    "SessionInfo",
+    "DEFAULT_COMPACT_AFTER",
+]
 
 SUFFIX = ".mxckpt"
+SEGMENT_SUFFIX = ".mxseg"
 _NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
+_SEGMENT_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.mxseg")
+_TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{16}\.tmp")
+# Writers hold a shared lock on WRITERS_LOCK while they save or delete; clean() needs it exclusive.
+# COMMIT_LOCK is held exclusive for the few milliseconds a manifest is checked and replaced.
+WRITERS_LOCK = ".muxworker-writers.lock"
+COMMIT_LOCK = ".muxworker-commit.lock"
+#: A session saved incrementally is rewritten whole (compacted) once it has this many segments.
+DEFAULT_COMPACT_AFTER = 16
 
 
 class StorePermissionError(CheckpointError):
@@ -63,6 +108,57 @@ class StorePermissionError(CheckpointError):
 
 class ConfigurationMismatch(CheckpointIncompatible):
     """The worker (or a checkpoint) does not run the configuration the store was created with."""
+
+
+class StoreBusy(CheckpointError):
+    """A writer holds the store, so an operation that needs it alone (``clean``) did not run."""
+
+
+class SaveConflict(CheckpointError):
+    """Another writer saved or deleted the session while this incremental save ran; save again."""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What the store knows of one saved session, from its manifest (no payload is read)."""
+
+    session_id: str
+    tokens: int  # the saved position: tokens of history with KV
+    nbytes: int  # bytes on disk: segments plus manifest (or the one file)
+    segments: int  # files holding its rows (1 for a file version 1 or 2 session)
+    identity: str | None
+    dtype: str
+    backend: str
+    created: float  # seconds since the epoch (a version 1/2 file: its modification time)
+    saved: float
+    file_version: int
+
+
+@dataclass
+class SavePlan:
+    """A save in progress (begin_save .. commit_save / abort_save); holds the writers' lock."""
+
+    session_id: str
+    digest: str
+    segment: str  # the new segment's file name
+    fd: int  # the new segment file, open for writing, passed to the worker
+    tag: str
+    base: SessionManifest | None  # the saved manifest the save may append to
+    lock_fd: int
+
+
+@dataclass
+class ResumePlan:
+    """The open files of a saved session, vetted, for a worker to restore from."""
+
+    session_id: str
+    fds: list[int]
+    manifest: SessionManifest | None  # None: a version 1 or 2 file (``fds`` holds it alone)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 # Configuration keys the worker's hello reports, and where. Keys it does not report (rope, ...)
@@ -114,7 +210,11 @@ class SessionStore:
         identity: str,
         max_bytes: int = DEFAULT_MAX_BYTES,
         inputs: IdentityInputs | None = None,
+        compact_after: int = DEFAULT_COMPACT_AFTER,
     ) -> None:
+        if isinstance(compact_after, bool) or not isinstance(compact_after, int) or not 1 <= compact_after <= 128:
+            raise InvalidArgument(f"compact_after must be an integer in [1, 128], got {compact_after!r}")
+        self.compact_after = compact_after
         if not isinstance(identity, str) or not identity:
             raise InvalidArgument("identity must be a nonempty string")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -125,7 +225,36 @@ class SessionStore:
         self.identity = identity
         self.max_bytes = max_bytes
         self.inputs = inputs
+        self.inspecting = False
         self._prepare_directory()
+
+    @classmethod
+    def inspect(cls, path: str | os.PathLike) -> SessionStore:
+        """An existing store opened for maintenance, bound to no model (``python -m
+        muxworker.sessions``): :meth:`list_info`, :meth:`info`, :meth:`verify` (every checksum),
+        :meth:`delete`, :meth:`prune` and :meth:`clean` work; saving, loading and resuming need the
+        model's identity (:meth:`create`). The directory must exist and pass the usual checks."""
+        store = cls.__new__(cls)
+        store.path = Path(os.path.abspath(os.fspath(path)))
+        store.identity = ""
+        store.max_bytes = sys.maxsize
+        store.inputs = None
+        store.compact_after = DEFAULT_COMPACT_AFTER
+        store.inspecting = True
+        try:
+            os.close(store._open_dir())
+        except StorePermissionError:
+            if not os.path.lexists(store.path):
+                raise CheckpointNotFound(f"no session store at {str(store.path)!r}") from None
+            raise
+        return store
+
+    def _check_bound(self, what: str) -> None:
+        if self.inspecting:
+            raise InvalidArgument(
+                f"this store was opened for inspection, bound to no model: it cannot {what}; "
+                "open it with SessionStore.create(path, model_files=..., configuration=...)"
+            )
 
     @property
     def configuration(self) -> dict[str, Any] | None:
@@ -140,6 +269,7 @@ class SessionStore:
         model_files: Iterable[str | os.PathLike],
         configuration: dict,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        compact_after: int = DEFAULT_COMPACT_AFTER,
     ) -> SessionStore:
         """Hash ``model_files`` and ``configuration`` off the event loop and open the directory.
 
@@ -149,7 +279,7 @@ class SessionStore:
 
         def build() -> SessionStore:
             identity, inputs = checkpoint_identity_inputs(model_files, configuration)
-            return cls(path, identity=identity, max_bytes=max_bytes, inputs=inputs)
+            return cls(path, identity=identity, max_bytes=max_bytes, inputs=inputs, compact_after=compact_after)
 
         return await trio.to_thread.run_sync(build)
 
@@ -244,32 +374,465 @@ class SessionStore:
 
     def _check_format(self, checkpoint: CPUCheckpoint) -> None:
         """A checkpoint's own dtype and backend must be the declared ones (it was made by the worker)."""
-        config = self.configuration or {}
-        differences = [
-            f"{key}: store {_show(config[key])}, checkpoint {_show(checkpoint.format.get(key))}"
-            for key in ("dtype", "backend")
-            if key in config and checkpoint.format.get(key) != config[key]
-        ]
-        if differences:
-            raise ConfigurationMismatch(
-                f"the checkpoint was not made by the configuration the session store "
-                f"{str(self.path)!r} declares: " + "; ".join(differences)
-            )
+        self._check_declared(checkpoint.format, "checkpoint")
 
-    # -- sessions --------------------------------------------------------------------------------
+    # -- locks ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self, dir_fd: int, name: str, mode: int) -> Iterator[int]:
+        fd = self._flock(dir_fd, name, mode)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _flock(self, dir_fd: int, name: str, mode: int) -> int:
+        """An fd of lock file ``name`` holding ``flock(mode)`` (closing the fd releases it)."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+            except FileNotFoundError:
+                fd = os.open(name, flags | os.O_CREAT, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            raise os_failure(CheckpointWriteError, e, f"cannot open the store's lock file {name!r}") from None
+        try:
+            fcntl.flock(fd, mode)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusy(f"another process is writing to the session store {str(self.path)!r}") from None
+        except OSError as e:
+            os.close(fd)
+            raise os_failure(CheckpointWriteError, e, f"cannot lock the store's lock file {name!r}") from None
+        return fd
+
+    # -- reading what is saved --------------------------------------------------------------------
 
     def path_for(self, session_id: str) -> Path:
-        """The file that holds ``session_id``'s checkpoint (named by a hash, so any id is safe)."""
+        """The manifest file of ``session_id`` (named by a hash, so any id is safe); its rows are in
+        segment files beside it (:meth:`files_of`)."""
         return self.path / (_session_hash(session_id) + SUFFIX)
 
+    def _not_found(self, session_id: str) -> CheckpointNotFound:
+        return CheckpointNotFound(f"no saved checkpoint for session {session_id!r}")
+
+    def _read_saved(self, dir_fd: int, session_id: str | None, name: str) -> tuple[int, SessionManifest | None, Any]:
+        """(file version, manifest of a version 3 session or None, (session id, checkpoint manifest
+        only) of a version 1/2 file) for the manifest file ``name``; checks the identity, nothing else."""
+        fd, _ = _open_regular(name, dir_fd)
+        try:
+            version = file_version(fd, name)
+            if version == SEGMENTED_VERSION:
+                return version, read_session_manifest(fd, name), None
+            found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
+            return version, None, found
+        finally:
+            os.close(fd)
+
+    def _manifest(self, dir_fd: int, session_id: str) -> SessionManifest | None:
+        """The verified version 3 manifest of ``session_id``, None for a version 1/2 file; raises
+        CheckpointNotFound, CheckpointCorrupt (another session's file) or CheckpointIncompatible."""
+        name = _session_hash(session_id) + SUFFIX
+        try:
+            fd, _ = _open_regular(name, dir_fd)
+        except CheckpointNotFound:
+            raise self._not_found(session_id) from None
+        try:
+            if file_version(fd, name) != SEGMENTED_VERSION:
+                return None
+            m = read_session_manifest(fd, name)
+        finally:
+            os.close(fd)
+        if m.session_id != session_id:
+            raise CheckpointCorrupt(
+                f"{name} holds session {m.session_id!r}, not {session_id!r}; the file was renamed or copied"
+            )
+        if m.identity != self.identity and not self.inspecting:
+            raise CheckpointIncompatible(
+                _identity_mismatch(name, m.identity, self.identity, m.identity_inputs, self.inputs, "store")
+            )
+        self._check_declared(m.format, "checkpoint")
+        return m
+
+    def _open_segments(self, dir_fd: int, m: SessionManifest) -> list[int]:
+        """Open every segment of ``m`` (regular files, no symlinks, the recorded sizes)."""
+        fds: list[int] = []
+        try:
+            for ref in m.segments:
+                fd, st = _open_regular(ref.name, dir_fd)
+                fds.append(fd)
+                if st.st_size != ref.file_length:
+                    raise CheckpointCorrupt(
+                        f"segment {ref.name} of session {m.session_id!r} is {st.st_size} bytes, "
+                        f"not the {ref.file_length} its manifest records"
+                    )
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _with_segments(self, session_id: str, body: Any) -> Any:
+        """Run ``body(dir_fd, manifest | None, fds)`` on the vetted open files of ``session_id``.
+        A manifest replaced meanwhile (a concurrent compaction deleted a segment) is read again."""
+        try:
+            dir_fd = self._open_dir()
+        except StorePermissionError:
+            if not os.path.lexists(self.path):
+                raise self._not_found(session_id) from None
+            raise
+        try:
+            for attempt in range(3):
+                m = self._manifest(dir_fd, session_id)
+                if m is None:
+                    name = _session_hash(session_id) + SUFFIX
+                    try:
+                        fd, _ = _open_regular(name, dir_fd)
+                    except CheckpointNotFound:
+                        raise self._not_found(session_id) from None
+                    return body(dir_fd, None, [fd])
+                try:
+                    fds = self._open_segments(dir_fd, m)
+                except CheckpointNotFound:
+                    if attempt == 2:
+                        raise CheckpointCorrupt(
+                            f"a segment of session {session_id!r} is missing (deleted by hand, or by a "
+                            "concurrent save three times in a row)"
+                        ) from None
+                    continue
+                return body(dir_fd, m, fds)
+        finally:
+            os.close(dir_fd)
+        raise AssertionError("unreachable")
+
+    def load(self, session_id: str) -> CPUCheckpoint:
+        """The verified checkpoint saved for ``session_id`` (host memory only).
+
+        Raises :class:`CheckpointNotFound`, :class:`CheckpointCorrupt`,
+        :class:`CheckpointIncompatible`, :class:`CheckpointTooLarge`, :class:`CheckpointUnsafePath`
+        or :class:`CheckpointReadError` (the system refused or failed the read).
+        """
+
+        self._check_bound("load a session")
+
+        def body(dir_fd: int, m: SessionManifest | None, fds: list[int]) -> CPUCheckpoint:
+            try:
+                if m is None:
+                    return self._load_legacy(session_id, fds[0])
+                names = [f"segment {r.name} of session {session_id!r}" for r in m.segments]
+                headers = [read_segment_header(fd, n, r) for fd, n, r in zip(fds, names, m.segments)]
+                check_chain(m, headers, str(self.path_for(session_id)))
+                total = sum(length for h in headers for _, length, _ in h.payloads)
+                if total > self.max_bytes:
+                    raise CheckpointTooLarge(
+                        f"session {session_id!r} holds {total} payload bytes, over the limit of {self.max_bytes}"
+                    )
+                return assemble_checkpoint(m, list(zip(fds, headers, names)))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+        return self._with_segments(session_id, body)
+
+    def _load_legacy(self, session_id: str, fd: int) -> CPUCheckpoint:
+        name = _session_hash(session_id) + SUFFIX
+        found, checkpoint = read_checkpoint_file(
+            name,
+            fd=fd,
+            expected_identity=self.identity or None,  # inspecting: any identity
+            max_bytes=self.max_bytes,
+            expected_inputs=self.inputs,
+            expected_label="store",
+        )
+        if found != session_id:
+            raise CheckpointCorrupt(
+                f"{name} holds session {found!r}, not {session_id!r}; the file was renamed or copied"
+            )
+        assert checkpoint is not None  # not manifest_only, so the payloads were read
+        self._check_format(checkpoint)  # files saved before save() checked it
+        return checkpoint
+
+    def begin_resume(self, session_id: str) -> ResumePlan:
+        """Open and vet the files of ``session_id`` for a worker to restore from (the caller closes
+        them with :meth:`ResumePlan.close`): the manifest is verified and bound to this store's
+        identity, and every segment it names is opened (no symlink, a regular file, the recorded
+        size). The worker checks each segment's header against the manifest and every payload's
+        CRC before it publishes the session."""
+        self._check_bound("resume a session")
+        return self._with_segments(session_id, lambda dir_fd, m, fds: ResumePlan(session_id, fds, m))
+
+    def verify(self, session_id: str) -> SessionInfo:
+        """Read every byte of ``session_id``'s files and check every checksum; raise as :meth:`load`."""
+        info = self.info(session_id)
+
+        def body(dir_fd: int, m: SessionManifest | None, fds: list[int]) -> None:
+            try:
+                if m is None:
+                    self._load_legacy(session_id, fds[0])
+                    return
+                for fd, ref in zip(fds, m.segments):
+                    name = f"segment {ref.name} of session {session_id!r}"
+                    header = read_segment_header(fd, name, ref)
+                    for i, (_, length, _) in enumerate(header.payloads):
+                        read_payload_into(fd, header, i, [memoryview(bytearray(length))], name)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+        self._with_segments(session_id, body)
+        return info
+
+    def info(self, session_id: str) -> SessionInfo:
+        """What is saved for ``session_id`` (from its manifest; no payload is read)."""
+        dir_fd = self._open_dir()
+        try:
+            name = _session_hash(session_id) + SUFFIX
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise self._not_found(session_id) from None
+            version, m, _ = self._read_saved(dir_fd, session_id, name)
+            if m is not None:
+                if m.session_id != session_id:
+                    raise CheckpointCorrupt(f"{name} holds session {m.session_id!r}, not {session_id!r}")
+                return _manifest_info(m, st.st_size)
+            return self._legacy_info(dir_fd, name, session_id, st, version)
+        finally:
+            os.close(dir_fd)
+
+    def _legacy_info(self, dir_fd: int, name: str, session_id: str, st: os.stat_result, version: int) -> SessionInfo:
+        fd, _ = _open_regular(name, dir_fd)
+        try:
+            found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
+            manifest = _legacy_wire(fd, name)
+        finally:
+            os.close(fd)
+        if found != session_id:
+            raise CheckpointCorrupt(f"{name} holds session {found!r}, not {session_id!r}")
+        fmt = manifest.get("format", {})
+        return SessionInfo(
+            session_id,
+            int(manifest.get("position", 0)),
+            st.st_size,
+            1,
+            manifest.get("identity"),
+            str(fmt.get("dtype")),
+            str(fmt.get("backend")),
+            st.st_mtime,
+            st.st_mtime,
+            version,
+        )
+
+    def list(self) -> builtins.list[str]:
+        """Session ids with a saved file, sorted; temp files and unreadable files are skipped."""
+        return [i.session_id for i in self.list_info()]
+
+    def list_info(self) -> builtins.list[SessionInfo]:
+        """:class:`SessionInfo` of every saved session, sorted by id; unreadable ones are skipped
+        (:meth:`load` and :meth:`verify` report them precisely)."""
+        dir_fd = self._open_dir()
+        try:
+            try:
+                names = os.listdir(dir_fd)
+            except OSError as e:
+                raise os_failure(CheckpointReadError, e, f"cannot list {str(self.path)!r}") from None
+            out = []
+            for name in names:
+                if not _NAME.fullmatch(name):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    version, m, found = self._read_saved(dir_fd, None, name)
+                    if m is not None:
+                        if _session_hash(m.session_id) + SUFFIX == name:
+                            out.append(_manifest_info(m, st.st_size))
+                    elif found is not None and _session_hash(found) + SUFFIX == name:
+                        out.append(self._legacy_info(dir_fd, name, found, st, version))
+                except (CheckpointError, OSError):
+                    continue  # damaged, foreign or vanished meanwhile
+            return sorted(out, key=lambda i: i.session_id)
+        finally:
+            os.close(dir_fd)
+
+    def unreadable(self) -> builtins.list[tuple[str, str]]:
+        """(file name, why) of every manifest file in the store that :meth:`list_info` skips."""
+        dir_fd = self._open_dir()
+        try:
+            out = []
+            for name in sorted(os.listdir(dir_fd)):
+                if not _NAME.fullmatch(name):
+                    continue
+                try:
+                    _, m, found = self._read_saved(dir_fd, None, name)
+                    sid = m.session_id if m is not None else found
+                    if sid is None or _session_hash(sid) + SUFFIX != name:
+                        out.append((name, f"holds session {sid!r}, whose file has another name (renamed or copied)"))
+                except (CheckpointError, OSError) as e:
+                    out.append((name, str(e)))
+            return out
+        finally:
+            os.close(dir_fd)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def begin_save(self, session_id: str) -> SavePlan:
+        """Start a save of ``session_id``: take the writers' lock, read the manifest the save may
+        append to, and create the new segment file (``<hash>.<random>.mxseg``, O_EXCL, 0600) for the
+        worker to write. Finish with :meth:`commit_save` or :meth:`abort_save`."""
+        self._check_bound("save a session")
+        digest = _session_hash(session_id)
+        dir_fd = self._open_dir()
+        try:
+            lock_fd = self._flock(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH)
+            try:
+                base: SessionManifest | None
+                try:
+                    base = self._manifest(dir_fd, session_id)
+                except CheckpointError:
+                    base = None  # none, damaged or foreign: this save writes everything
+                if base is not None and len(base.segments) >= self.compact_after:
+                    base = None  # compaction: rewrite it whole
+                segment = f"{digest}.{secrets.token_hex(8)}{SEGMENT_SUFFIX}"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    fd = os.open(segment, flags, 0o600, dir_fd=dir_fd)
+                except OSError as e:
+                    raise os_failure(
+                        CheckpointWriteError,
+                        e,
+                        f"cannot save session {session_id!r} (creating its segment file)",
+                        after="; the previous file, if any, is unchanged",
+                    ) from None
+            except BaseException:
+                os.close(lock_fd)
+                raise
+        finally:
+            os.close(dir_fd)
+        return SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, lock_fd)
+
+    def base_of(self, plan: SavePlan) -> dict[str, Any] | None:
+        """The ``base`` a worker's save_file appends to (None: write everything)."""
+        return None if plan.base is None else {"tag": plan.base.tag, "position": plan.base.position}
+
+    def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
+        """Publish what the worker wrote into ``plan``'s segment (its save_file reply ``written``):
+        replace the manifest atomically (temp file, fsync, rename, directory fsync) and delete the
+        segments it no longer names. The previous save stays loadable until the rename.
+
+        Raises :class:`SaveConflict` when the save appended to a manifest another writer replaced
+        meanwhile (nothing is published; save again)."""
+        try:
+            os.close(plan.fd)
+            plan.fd = -1
+            start, position = int(written["start"]), int(written["position"])
+            dir_fd = self._open_dir()
+            try:
+                with self._locked(dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):
+                    try:
+                        current = self._manifest(dir_fd, plan.session_id)
+                    except CheckpointError:
+                        current = None
+                    now = time.time()
+                    if start == position and plan.base is not None:  # nothing new: the base stands
+                        self._unlink(dir_fd, plan.segment)
+                        if current is None or current.tag != plan.base.tag:
+                            raise SaveConflict(
+                                f"session {plan.session_id!r} was saved or deleted by another writer meanwhile"
+                            )
+                        m = dataclasses.replace(current, tag=plan.tag, saved=now)
+                    else:
+                        ref = SegmentRef(plan.segment, start, position, written["file_length"], written["header_crc"])
+                        if start:
+                            if plan.base is None or current is None or current.tag != plan.base.tag:
+                                raise SaveConflict(
+                                    f"session {plan.session_id!r} was saved or deleted by another writer while this "
+                                    "save appended to it; nothing was published, save again"
+                                )
+                            segments = [*current.segments, ref]
+                        else:
+                            segments = [ref]
+                        created = current.created if current is not None else now
+                        m = SessionManifest(
+                            plan.session_id,
+                            self.identity,
+                            format,
+                            geometry,
+                            position,
+                            plan.tag,
+                            created,
+                            now,
+                            segments,
+                            self.inputs,
+                        )
+                    name = plan.digest + SUFFIX
+                    replace_file(
+                        dir_fd,
+                        name,
+                        [encode_session_manifest(m)],
+                        temp_prefix=plan.digest,
+                        display=f"session {plan.session_id!r} ({self.path / name})",
+                    )
+                    keep = {r.name for r in m.segments}
+                    for ref in current.segments if current is not None else []:
+                        if ref.name not in keep:
+                            self._unlink(dir_fd, ref.name)
+                    return m
+            finally:
+                os.close(dir_fd)
+        except BaseException:
+            self.abort_save(plan)
+            raise
+        finally:
+            self._release(plan)
+
+    def abort_save(self, plan: SavePlan) -> None:
+        """Undo :meth:`begin_save`: remove the new segment (when not published) and release the lock."""
+        if plan.fd >= 0:
+            os.close(plan.fd)
+            plan.fd = -1
+        if plan.lock_fd >= 0:
+            try:
+                dir_fd = self._open_dir()
+            except CheckpointError:
+                pass
+            else:
+                try:
+                    if not self._names_segment(dir_fd, plan):
+                        self._unlink(dir_fd, plan.segment)
+                finally:
+                    os.close(dir_fd)
+        self._release(plan)
+
+    def _names_segment(self, dir_fd: int, plan: SavePlan) -> bool:
+        try:
+            m = self._manifest(dir_fd, plan.session_id)
+        except CheckpointError:
+            return False
+        return m is not None and any(r.name == plan.segment for r in m.segments)
+
+    @staticmethod
+    def _release(plan: SavePlan) -> None:
+        if plan.lock_fd >= 0:
+            os.close(plan.lock_fd)
+            plan.lock_fd = -1
+
+    @staticmethod
+    def _unlink(dir_fd: int, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass  # a stray segment is what clean() removes; the published state is what counts
+
     def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
-        """Atomically replace ``session_id``'s saved checkpoint.
+        """Atomically replace ``session_id``'s saved checkpoint with ``checkpoint`` (host memory).
 
         A checkpoint without an identity is stamped with the store's; one with another identity
         raises :class:`CheckpointIncompatible`. Over ``max_bytes`` raises
         :class:`CheckpointTooLarge`; disk full, a read-only file system or denied permission raise
-        :class:`CheckpointWriteError` with that ``reason``. On any failure the previous file stays
-        loadable.
+        :class:`CheckpointWriteError` with that ``reason``. On any failure the previous save stays
+        loadable. A checkpoint with draft-model state is written as one version 2 file.
         """
         digest = _session_hash(session_id)
         if not isinstance(checkpoint, CPUCheckpoint):
@@ -281,73 +844,101 @@ class SessionStore:
             raise CheckpointIncompatible(
                 f"checkpoint identity {checkpoint.identity!r} is not this store's {self.identity!r}"
             )
+        checkpoint.validate()
+        if checkpoint.nbytes > self.max_bytes:
+            raise CheckpointTooLarge(
+                f"checkpoint holds {checkpoint.nbytes} payload bytes, over the limit of {self.max_bytes}"
+            )
+        if checkpoint.draft is not None:
+            self._save_legacy(session_id, digest, checkpoint)
+            return
+        plan = self.begin_save(session_id)
+        plan.base = None  # a host checkpoint is written whole
+        try:
+            try:
+                layers = []
+                for state in checkpoint.layers:
+                    layers.append(
+                        LayerRows(
+                            state.start,
+                            state.rows,
+                            [_head_major(state.keys)],
+                            [_head_major(state.values)],
+                        )
+                    )
+                length, head_crc = write_segment(
+                    plan.fd,
+                    session_id=session_id,
+                    identity=self.identity,
+                    format=checkpoint.format,
+                    geometry=checkpoint.geometry,
+                    start=0,
+                    token_ids=checkpoint.token_ids,
+                    layers=layers,
+                )
+            except OSError as e:
+                raise os_failure(
+                    CheckpointWriteError,
+                    e,
+                    f"cannot save session {session_id!r} (writing its segment)",
+                    after="; the previous file, if any, is unchanged",
+                ) from None
+        except BaseException:
+            self.abort_save(plan)
+            raise
+        written = {"start": 0, "position": checkpoint.position, "file_length": length, "header_crc": head_crc}
+        self.commit_save(plan, written, checkpoint.format, checkpoint.geometry)
+
+    def _save_legacy(self, session_id: str, digest: str, checkpoint: CPUCheckpoint) -> None:
         dir_fd = self._open_dir()
         try:
-            write_checkpoint_file(
-                checkpoint,
-                dir_fd,
-                digest + SUFFIX,
-                temp_prefix=digest,
-                session_id=session_id,
-                max_bytes=self.max_bytes,
-                display=f"session {session_id!r} ({self.path / (digest + SUFFIX)})",
-                identity_inputs=self.inputs,
-            )
+            with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH), self._locked(dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):
+                try:
+                    old = self._manifest(dir_fd, session_id)
+                except CheckpointError:
+                    old = None
+                write_checkpoint_file(
+                    checkpoint,
+                    dir_fd,
+                    digest + SUFFIX,
+                    temp_prefix=digest,
+                    session_id=session_id,
+                    max_bytes=self.max_bytes,
+                    display=f"session {session_id!r} ({self.path / (digest + SUFFIX)})",
+                    identity_inputs=self.inputs,
+                )
+                for ref in old.segments if old is not None else []:
+                    self._unlink(dir_fd, ref.name)
         finally:
             os.close(dir_fd)
 
-    def load(self, session_id: str) -> CPUCheckpoint:
-        """The verified checkpoint saved for ``session_id`` (host memory only).
-
-        Raises :class:`CheckpointNotFound`, :class:`CheckpointCorrupt`,
-        :class:`CheckpointIncompatible`, :class:`CheckpointTooLarge`, :class:`CheckpointUnsafePath`
-        or :class:`CheckpointReadError` (the system refused or failed the read).
-        """
-        name = _session_hash(session_id) + SUFFIX
-        try:
-            dir_fd = self._open_dir()
-        except StorePermissionError:
-            if not os.path.lexists(self.path):
-                raise CheckpointNotFound(f"no saved checkpoint for session {session_id!r}") from None
-            raise
-        try:
-            found, checkpoint = read_checkpoint_file(
-                name,
-                dir_fd=dir_fd,
-                expected_identity=self.identity,
-                max_bytes=self.max_bytes,
-                expected_inputs=self.inputs,
-                expected_label="store",
-            )
-        except CheckpointNotFound:
-            raise CheckpointNotFound(f"no saved checkpoint for session {session_id!r}") from None
-        finally:
-            os.close(dir_fd)
-        if found != session_id:
-            raise CheckpointCorrupt(
-                f"{name} holds session {found!r}, not {session_id!r}; the file was renamed or copied"
-            )
-        assert checkpoint is not None  # not manifest_only, so the payloads were read
-        self._check_format(checkpoint)  # files saved before save() checked it
-        return checkpoint
+    # -- removing -------------------------------------------------------------------------------
 
     def delete(self, session_id: str) -> bool:
-        """Remove ``session_id``'s saved file; return whether one existed. Live sessions are untouched."""
-        name = _session_hash(session_id) + SUFFIX
+        """Remove ``session_id``'s saved files; return whether one existed. Live sessions are untouched."""
+        digest = _session_hash(session_id)
+        name = digest + SUFFIX
         dir_fd = self._open_dir()
         try:
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return False
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointUnsafePath(f"{name!r} in the store is not a regular file")
-            try:
-                os.unlink(name, dir_fd=dir_fd)
-            except FileNotFoundError:
-                return False  # a concurrent delete won
-            os.fsync(dir_fd)
-            return True
+            with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH), self._locked(dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return False
+                if not stat.S_ISREG(st.st_mode):
+                    raise CheckpointUnsafePath(f"{name!r} in the store is not a regular file")
+                try:
+                    m = self._manifest(dir_fd, session_id)
+                except CheckpointError:
+                    m = None
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    return False  # a concurrent delete won
+                for ref in m.segments if m is not None else []:
+                    self._unlink(dir_fd, ref.name)
+                os.fsync(dir_fd)
+                return True
         except OSError as e:
             raise os_failure(
                 CheckpointWriteError, e, f"cannot delete session {session_id!r} ({self.path / name})"
@@ -355,26 +946,110 @@ class SessionStore:
         finally:
             os.close(dir_fd)
 
-    def list(self) -> list[str]:
-        """Session ids with a saved file, sorted; temp files and unreadable files are skipped."""
+    def prune(self, older_than: float, *, now: float | None = None) -> builtins.list[str]:
+        """Delete every session last saved more than ``older_than`` seconds ago; return their ids."""
+        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
+            raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+        cutoff = (time.time() if now is None else now) - older_than
+        gone = []
+        for info in self.list_info():
+            if info.saved < cutoff and self.delete(info.session_id):
+                gone.append(info.session_id)
+        return gone
+
+    def clean(self) -> tuple[builtins.list[str], int]:
+        """Remove what killed writers left behind: temporary files and segments no manifest names.
+
+        Runs only when no writer holds the store (raises :class:`StoreBusy` otherwise), so nothing
+        it removes is a save in progress. Returns (the names removed, their bytes)."""
         dir_fd = self._open_dir()
         try:
-            try:
+            with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 names = os.listdir(dir_fd)
-            except OSError as e:
-                raise os_failure(CheckpointReadError, e, f"cannot list {str(self.path)!r}") from None
-            ids = []
-            for name in names:
-                if not _NAME.fullmatch(name):
-                    continue
-                try:
-                    # No size bound here: an oversized file is still a saved session, and
-                    # load() reports it as CheckpointTooLarge.
-                    found, _ = read_checkpoint_file(name, dir_fd=dir_fd, max_bytes=sys.maxsize, manifest_only=True)
-                except CheckpointError:
-                    continue  # damaged, foreign or vanished meanwhile: load() reports it precisely
-                if found is not None and _session_hash(found) + SUFFIX == name:
-                    ids.append(found)
-            return sorted(ids)
+                referenced: set[str] = set()
+                for name in names:
+                    if _NAME.fullmatch(name):
+                        try:
+                            _, m, _ = self._read_saved(dir_fd, None, name)
+                        except (CheckpointError, OSError):
+                            m = None
+                        if m is not None:
+                            referenced.update(r.name for r in m.segments)
+                removed, nbytes = [], 0
+                for name in names:
+                    stray = _TEMP_NAME.fullmatch(name) or (_SEGMENT_NAME.fullmatch(name) and name not in referenced)
+                    if not stray:
+                        continue
+                    try:
+                        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            os.unlink(name, dir_fd=dir_fd)
+                            removed.append(name)
+                            nbytes += st.st_size
+                    except FileNotFoundError:
+                        continue
+                if removed:
+                    os.fsync(dir_fd)
+                return sorted(removed), nbytes
+        except OSError as e:
+            raise os_failure(CheckpointWriteError, e, f"cannot clean the session store {str(self.path)!r}") from None
         finally:
             os.close(dir_fd)
+
+    def files_of(self, session_id: str) -> builtins.list[Path]:
+        """The files holding ``session_id`` now: its manifest, then its segments in order."""
+        dir_fd = self._open_dir()
+        try:
+            m = self._manifest(dir_fd, session_id)
+        finally:
+            os.close(dir_fd)
+        return [self.path_for(session_id), *(self.path / r.name for r in (m.segments if m is not None else []))]
+
+    def nbytes(self, session_id: str) -> int:
+        """Bytes ``session_id`` takes on disk (manifest and segments)."""
+        return self.info(session_id).nbytes
+
+    def _check_declared(self, fmt: dict, what: str) -> None:
+        """A checkpoint's (or saved session's) dtype and backend must be the declared ones."""
+        config = self.configuration or {}
+        differences = [
+            f"{key}: store {_show(config[key])}, {what} {_show(fmt.get(key))}"
+            for key in ("dtype", "backend")
+            if key in config and fmt.get(key) != config[key]
+        ]
+        if differences:
+            raise ConfigurationMismatch(
+                f"the {what} was not made by the configuration the session store {str(self.path)!r} declares: "
+                + "; ".join(differences)
+            )
+
+
+def _head_major(rows: Any) -> memoryview:
+    """[n, KV, D] host rows as the bytes of a head-major [KV, n, D] copy (what segments hold)."""
+    import numpy as np
+
+    return byte_view(np.ascontiguousarray(rows.transpose(1, 0, 2)))
+
+
+def _manifest_info(m: SessionManifest, manifest_bytes: int) -> SessionInfo:
+    return SessionInfo(
+        m.session_id,
+        m.position,
+        m.nbytes + manifest_bytes,
+        len(m.segments),
+        m.identity,
+        str(m.format.get("dtype")),
+        str(m.format.get("backend")),
+        m.created,
+        m.saved,
+        SEGMENTED_VERSION,
+    )
+
+
+def _legacy_wire(fd: int, name: str) -> dict[str, Any]:
+    """The wire manifest of a version 1/2 file (already verified by read_checkpoint_file)."""
+    from muxworker.transport.checkpoint.file import _FILE_KEYS, _read_manifest, fstat_regular
+
+    manifest, _, _ = _read_manifest(fd, fstat_regular(fd, name), name, _FILE_KEYS)
+    wire = manifest["checkpoint"]
+    return wire if isinstance(wire, dict) else {}

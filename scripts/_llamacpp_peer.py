@@ -178,22 +178,7 @@ def run_single(cfg: dict, engine: Engine, out: dict) -> None:
         return first
 
     def save(first: int) -> None:
-        # The longest prefill's sequence: its n tokens in the KV, `first` pending (not yet evaluated).
-        tokens = (llama_cpp.llama_token * longest)(*base[:longest])
-        t0 = time.perf_counter()
-        written = llama_cpp.llama_state_seq_save_file(engine.ctx, cfg["state_path"].encode(), 0, tokens, longest)
-        fd = os.open(cfg["state_path"], os.O_RDONLY)  # durable, as muxworker's save (fsync) is
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        out["save_s"] = time.perf_counter() - t0
-        if not written:
-            raise RuntimeError("llama_state_seq_save_file failed")
-        out["state_file_bytes"] = os.path.getsize(cfg["state_path"])
-        out["saved_tokens"] = longest
-        out["pending_token"] = first
-        out["suffix_token"] = base[longest + 1]
+        save_state(cfg, engine, out, base, longest, first)
 
     out["decode_short_tok_s"] = attempt(out, ("decode_short_tok_s",), decode_after, cfg["short_prompt"])
     first = None
@@ -205,6 +190,35 @@ def run_single(cfg: dict, engine: Engine, out: dict) -> None:
         attempt(out, ("save_s", "state_file_bytes"), save, first)
     out["decode_long_tok_s"] = attempt(out, ("decode_long_tok_s",), decode_after, cfg["long_decode_prompt"])
     out["peak_rss_mb"] = rss_mb("VmHWM")
+
+
+def save_state(cfg: dict, engine: Engine, out: dict, base: list[int], n: int, first: int) -> None:
+    """Save the sequence just prefilled (its ``n`` tokens in the KV, ``first`` pending) to
+    ``cfg["state_path"]`` and fsync it; record the time, the file size and what a restore needs."""
+    tokens = (llama_cpp.llama_token * n)(*base[:n])
+    t0 = time.perf_counter()
+    written = llama_cpp.llama_state_seq_save_file(engine.ctx, cfg["state_path"].encode(), 0, tokens, n)
+    fd = os.open(cfg["state_path"], os.O_RDONLY)  # durable, as muxworker's save (fsync) is
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    out["save_s"] = time.perf_counter() - t0
+    if not written:
+        raise RuntimeError("llama_state_seq_save_file failed")
+    out["state_file_bytes"] = os.path.getsize(cfg["state_path"])
+    out["saved_tokens"] = n
+    out["pending_token"] = first
+    out["suffix_token"] = base[n + 1]
+
+
+def run_state(cfg: dict, engine: Engine, out: dict) -> None:
+    """Prefill ``cfg["tokens"]`` tokens of the text and save the state (scripts/bench_checkpoint.py)."""
+    n = cfg["tokens"]
+    base = text_tokens(engine, cfg["text"], n + 8)
+    engine.clear()
+    first = engine.prefill(base[:n])
+    save_state(cfg, engine, out, base, n, first)
 
 
 def run_restore(cfg: dict, engine: Engine, out: dict) -> None:
@@ -249,7 +263,13 @@ def main() -> None:
     engine = Engine(cfg["model"], cfg["n_ctx"], cfg.get("n_seq", 1), cfg["threads"])
     out = ready(engine, time.perf_counter() - t0)
     out["version"] = llama_cpp.__version__
-    modes = {"load": lambda *_: None, "single": run_single, "restore": run_restore, "multi": run_multi}
+    modes = {
+        "load": lambda *_: None,
+        "single": run_single,
+        "state": run_state,
+        "restore": run_restore,
+        "multi": run_multi,
+    }
     modes[cfg["mode"]](cfg, engine, out)
     print(json.dumps(out), flush=True)
 

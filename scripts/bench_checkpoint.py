@@ -1,17 +1,31 @@
-"""Resume vs cold prefill, end to end through real worker processes, side by side in one run.
+"""Sessions at the speed of the disk: save, incremental save, resume and resume + first token of a
+long session, through real worker processes, side by side with a cold prefill in one run, and with
+llama.cpp's state_save_file / state_load_file of the same GGUF when its venv exists.
 
-For sessions of 512, 4,096 and 8,000 tokens on the bundled SmolLM2-135M: time to first token of a
-cold prefill of the whole conversation vs a resumed session (resume_session, then the first token
-of a 16-token suffix; the file is in the page cache), the save time and file size, and the
-checkpoint file's throughput against raw file I/O of the same bytes (bench_checkpoint_file.py).
+For each session length (default 4,096 tokens) on the bundled SmolLM2-135M (the worker's defaults:
+bfloat16, quantized weights):
 
-    python scripts/bench_checkpoint.py [--tokens 512,4096,8000] [--dtype bfloat16] [--model PATH] [--backends torch,mlx]
+- save: ``save_session`` of the whole session (the worker writes its KV rows straight into a segment
+  the store created; fsync, manifest replace, directory fsync), on a fresh store entry;
+- incremental save: the same session after a turn of 64 new tokens (only those are written);
+- resume: ``resume_session`` in a new worker process (the files in the page cache, as after a
+  recent save), and resume + first token of a 1-token suffix (the pending last token and one new
+  one are evaluated, as in llama.cpp's row) and of a 16-token suffix;
+- cold: the first token of a fresh session that prefills the whole conversation instead.
+
+llama.cpp (``--peer-python``, default ``.venv-peer/bin/python`` when it exists; ``make bench-peer``
+builds it): a fresh peer process prefills the same tokens and saves them with
+``llama_state_seq_save_file`` + fsync; another loads the file and evaluates the pending token and a
+1-token suffix. Each figure is the median of ``--repeats`` rounds.
+
+    python scripts/bench_checkpoint.py [--tokens 4096] [--repeats 3] [--model PATH] [--peer-python PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -20,117 +34,174 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint_file import bench as file_bench  # noqa: E402
+from bench_vs_llamacpp import TEXT, bundled_gguf_path, peer_problem, peer_run  # noqa: E402
 
 from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker  # noqa: E402
-from muxworker.worker.models.identity import model_identity_files, worker_configuration
-from muxworker.worker.models.loader import resolve_model
+from muxworker.worker.models.identity import model_identity_files, worker_configuration  # noqa: E402
+from muxworker.worker.models.loader import resolve_model  # noqa: E402
 
-SUFFIX = 16
-TEXT = (
-    "The history of gardening spans thousands of years, from the irrigated plots of ancient Egypt to "
-    "the kitchen gardens of medieval monasteries. Gardeners learned which plants grow well together, "
-    "how to rotate crops, and how to keep soil rich with compost and careful watering. "
-)
+TURN = 64  # new tokens before the incremental save: 60 of prompt, 4 generated
+LONG_SUFFIX = 16
+ROOT = Path(__file__).resolve().parents[1]
 
 
-async def _ttft(client, sid: str, prompt: list[int]) -> tuple[float, dict]:
+async def _first_token(client, sid: str, prompt: list[int], n: int = 1):
     t0 = time.perf_counter()
-    stream = client.generate(prompt, GenerationParams(session_id=sid, max_new_tokens=1, stop_token_ids=[]))
+    stream = client.generate(prompt, GenerationParams(session_id=sid, max_new_tokens=n, stop_token_ids=[]))
     async for _ in stream:
-        pass
-    result = await stream.wait()
-    return time.perf_counter() - t0, result
+        break
+    first = time.perf_counter() - t0
+    return first, await stream.wait()
 
 
-async def run(args, backend: str = "torch") -> list[dict]:
+async def run_mux(args, n: int) -> dict:
     model_dir = resolve_model(args.model, progress=sys.stderr)
-    sizes = [int(t) for t in args.tokens.split(",")]
-    top = max(sizes) + SUFFIX + 8
-    command = default_worker_command(
-        model_dir, backend=backend, dtype=args.dtype, max_sessions=3, max_session_tokens=top, prefill_chunk_tokens=512
-    )
-    config = worker_configuration(backend=backend, dtype=args.dtype, model_dir=model_dir)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    top = n + args.repeats * TURN + LONG_SUFFIX + 16
+    command = default_worker_command(model_dir, max_sessions=2, max_session_tokens=top, threads=args.threads)
+    out: dict = {"save": [], "incremental": [], "resume": [], "resume_first_1": [], "resume_first_16": [], "cold": []}
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as tmp:
         store_dir = Path(tmp) / "sessions"
+        async with spawn_multiplexed_worker(command) as probe:
+            info = probe.info
+            base = await probe.tokenize(TEXT * (top // 40 + 1))
+        config = worker_configuration(backend=info.backend, dtype=info.dtype, model_dir=model_dir, weights=info.weights)
         store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
+        out["dtype"], out["weights"] = info.dtype, info.weights
+        history: list[int] = []
         async with spawn_multiplexed_worker(command, session_store=store) as client:
-            base = await client.tokenize(TEXT * (top // 40 + 1))
-            for n in sizes:
-                sid = f"s{n}"
-                await client.open_session(sid)
-                _, first = await _ttft(client, sid, base[:n])
+            await client.open_session("s")
+            _, first = await _first_token(client, "s", base[:n])
+            history = base[:n] + first.generated_token_ids
+            for _ in range(args.repeats):
+                store.delete("s")  # a fresh entry: the save writes everything
                 t0 = time.perf_counter()
-                await client.save_session(sid)
-                save_s = time.perf_counter() - t0
-                await client.close_session(sid)
-                rows.append(
-                    {
-                        "backend": backend,
-                        "tokens": n,
-                        "save": save_s,
-                        "file": store.path_for(sid).stat().st_size,
-                        "history": base[:n] + list(first.generated_token_ids),
-                    }
-                )
-        # A fresh worker: resume vs cold on the same process, alternating order.
-        store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
+                full = await client.save_session("s")
+                out["save"].append(time.perf_counter() - t0)
+            out["save_bytes"] = full.payload_bytes
+            out["file_bytes"] = store.nbytes("s")
+            out["position"] = full.position
+            for r in range(args.repeats):
+                prompt = history + base[n + r * TURN : n + r * TURN + TURN - 4]
+                result = await client.generate(
+                    prompt, GenerationParams(session_id="s", max_new_tokens=4, stop_token_ids=[])
+                ).wait()
+                history = prompt + result.generated_token_ids
+                t0 = time.perf_counter()
+                inc = await client.save_session("s")
+                out["incremental"].append(time.perf_counter() - t0)
+                out["incremental_bytes"] = inc.payload_bytes
+                out["incremental_tokens"] = inc.position - inc.start
         async with spawn_multiplexed_worker(command, session_store=store) as client:
             await client.open_session("warm")
-            await _ttft(client, "warm", base[:64])  # first-forward warm-up
+            await _first_token(client, "warm", base[:64])  # the first forward's one-time costs
             await client.close_session("warm")
-            for row in rows:
-                n = row["tokens"]
-                store.load(f"s{n}")  # the file is in the page cache, as after a recent save
-                prompt = row["history"] + base[n + 1 : n + 1 + SUFFIX]
-                t0 = time.perf_counter()
-                await client.resume_session(f"s{n}")
-                resume_s = time.perf_counter() - t0
-                first_s, res = await _ttft(client, f"s{n}", prompt)
-                row["resume_ttft"] = resume_s + first_s
-                row["resume_prefilled"] = res.prefilled_prompt_tokens
+            store.load("s")  # the files are in the page cache, as after a recent save
+            for key, suffix in (("resume", 0), ("resume_first_1", 1), ("resume_first_16", LONG_SUFFIX)):
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    await client.resume_session("s")
+                    if suffix:
+                        await _first_token(client, "s", history + base[:suffix])
+                    out[key].append(time.perf_counter() - t0)
+                    await client.close_session("s")
+            prompt = history + base[:LONG_SUFFIX]
+            for _ in range(min(args.repeats, 2)):
                 await client.open_session("cold")
-                row["cold_ttft"], cold = await _ttft(client, "cold", prompt)
-                row["cold_prefilled"] = cold.prefilled_prompt_tokens
-                assert cold.generated_token_ids == res.generated_token_ids
+                dt, _ = await _first_token(client, "cold", prompt)
+                out["cold"].append(dt)
                 await client.close_session("cold")
-                await client.close_session(f"s{n}")
-    return rows
+    return out
+
+
+def run_peer(args, n: int) -> dict:
+    problem = peer_problem(args)
+    if problem:
+        return {"problem": problem}
+    out: dict = {"save": [], "restore": [], "restore_first": []}
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-peer-") as tmp:
+        state = os.path.join(tmp, "state.bin")
+        for _ in range(args.repeats):
+            saved = peer_run(args, {"mode": "state", "n_ctx": n + 64, "text": TEXT, "tokens": n, "state_path": state})
+            out["save"].append(saved["save_s"])
+            out["file_bytes"] = saved["state_file_bytes"]
+            restored = peer_run(
+                args,
+                {
+                    "mode": "restore",
+                    "n_ctx": n + 64,
+                    "state_path": state,
+                    "saved_tokens": saved["saved_tokens"],
+                    "pending_token": saved["pending_token"],
+                    "suffix_token": saved["suffix_token"],
+                },
+            )
+            out["restore"].append(restored["restore_s"])
+            out["restore_first"].append(restored["restore_first_token_s"])
+    return out
+
+
+def _ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values) * 1e3:.1f} ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})"
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    return f"{statistics.median(a) / statistics.median(b):.2f}x" if a and b else "-"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="512,4096,8000")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--repeat", type=int, default=3, help="file-throughput repetitions")
-    ap.add_argument("--backends", "--backend", default="torch", help="comma list of backends (torch, mlx)")
+    ap.add_argument("--tokens", default="4096", help="comma list of session lengths")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="model (default: the bundled SmolLM2 GGUF)")
+    ap.add_argument("--threads", type=int, default=2)
+    default_peer = ROOT / ".venv-peer" / "bin" / "python"
+    ap.add_argument("--peer-python", default=str(default_peer) if default_peer.exists() else None)
     args = ap.parse_args()
-    backends = args.backends.split(",")
-    rows = [r for backend in backends for r in trio.run(run, args, backend)]
-    mib = 2**20
-    print(f"SmolLM2-135M, {args.dtype}, CPU; resume = resume_session + first token of a {SUFFIX}-token suffix\n")
-    print(
-        "| backend | tokens | cold TTFT ms | resumed TTFT ms | resumed / cold | prefilled cold / resumed | save ms | file MiB |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    gguf = Path(args.model) if args.model else bundled_gguf_path()
+    args.model = str(gguf)
+    for n in (int(t) for t in args.tokens.split(",")):
+        mux = trio.run(run_mux, args, n)
+        peer = run_peer(args, n)
+        mib = 2**20
         print(
-            f"| {r['backend']} | {r['tokens']} | {r['cold_ttft'] * 1e3:.0f} | {r['resume_ttft'] * 1e3:.0f} | "
-            f"1/{r['cold_ttft'] / r['resume_ttft']:.0f} | {r['cold_prefilled']} / {r['resume_prefilled']} | "
-            f"{r['save'] * 1e3:.0f} | {r['file'] / mib:.1f} |"
+            f"\n{gguf.name}, a {mux['position']:,}-token session, muxworker {mux['dtype']} "
+            f"({mux['weights']} weights), {args.threads} threads; ms, median (min-max) of {args.repeats}\n"
         )
-    print("\nCheckpoint file vs raw file I/O of the same bytes (float32 SmolLM2 geometry, median):\n")
-    print("| tokens | save ms | raw write+fsync ms | save ratio | load ms | raw read ms | load ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    with tempfile.TemporaryDirectory() as d:
-        for r in (r for r in rows if r["backend"] == backends[0]):  # file I/O does not depend on the backend
-            f = file_bench(r["tokens"], args.repeat, d)
-            print(
-                f"| {f['tokens']} | {f['save'] * 1e3:.1f} | {f['raw_write'] * 1e3:.1f} | {f['raw_write'] / f['save']:.2f} "
-                f"| {f['load'] * 1e3:.1f} | {f['raw_read'] * 1e3:.1f} | {f['raw_read'] / f['load']:.2f} |"
-            )
+        print("| figure | llama.cpp | muxworker | ratio muxworker / llama.cpp |")
+        print("|---|---:|---:|---:|")
+        p = peer if "problem" not in peer else {}
+        print(
+            f"| save the session to a file (+fsync) | {_ms(p.get('save', []))} | {_ms(mux['save'])} | "
+            f"{_ratio(mux['save'], p.get('save', []))} |"
+        )
+        print(
+            f"| restore it in a new process | {_ms(p.get('restore', []))} | {_ms(mux['resume'])} | "
+            f"{_ratio(mux['resume'], p.get('restore', []))} |"
+        )
+        print(
+            f"| restore + first token (1-token suffix) | {_ms(p.get('restore_first', []))} | "
+            f"{_ms(mux['resume_first_1'])} | {_ratio(mux['resume_first_1'], p.get('restore_first', []))} |"
+        )
+        file_peer = f"{p['file_bytes'] / mib:.1f}" if "file_bytes" in p else "-"
+        print(f"| bytes on disk, MiB | {file_peer} | {mux['file_bytes'] / mib:.1f} | |")
+        if "problem" in peer:
+            print(f"\nllama.cpp rows not measured: {peer['problem']}")
+        print("\nmuxworker alone:\n")
+        print("| figure | ms | against |")
+        print("|---|---:|---|")
+        print(
+            f"| incremental save after {mux['incremental_tokens']} new tokens "
+            f"({mux['incremental_bytes'] / mib:.2f} MiB written, full: {mux['save_bytes'] / mib:.1f} MiB) | "
+            f"{_ms(mux['incremental'])} | {_ratio(mux['incremental'], mux['save'])} of a full save's time, "
+            f"{mux['incremental_bytes'] / mux['save_bytes']:.3f}x its bytes |"
+        )
+        print(
+            f"| resume + first token of a {LONG_SUFFIX}-token suffix | {_ms(mux['resume_first_16'])} | "
+            f"cold prefill of the same {mux['position'] + LONG_SUFFIX:,} tokens: {_ms(mux['cold'])}, "
+            f"{statistics.median(mux['cold']) / statistics.median(mux['resume_first_16']):.0f}x slower |"
+        )
 
 
 if __name__ == "__main__":

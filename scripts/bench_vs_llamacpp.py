@@ -339,7 +339,7 @@ async def mux_single(mux: Mux, n: Lengths, figures: dict[str, Any]) -> list[int]
             t0 = time.perf_counter()
             await client.save_session(SAVED_SESSION)
             figures["save_s"] = time.perf_counter() - t0
-            figures["state_file_mb"] = mux.store.path_for(SAVED_SESSION).stat().st_size / 1e6
+            figures["state_file_mb"] = mux.store.nbytes(SAVED_SESSION) / 1e6
             return True
 
         await _attempt(errors, ("decode_short_tok_s",), lambda: decode("decode_short_tok_s", n.short_prompt))

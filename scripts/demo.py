@@ -208,7 +208,8 @@ async def demo(args: argparse.Namespace) -> int:
             live_turn = await live.send(client, text, params)
         file = store.path_for(SESSION)
         saved_tokens = len(conv.history_ids)
-        print(f"   saved {saved_tokens} tokens ({file.stat().st_size / 2**20:.1f} MiB) in {_ms(save_s)}\n")
+        saved_mib = store.nbytes(SESSION) / 2**20
+        print(f"   saved {saved_tokens} tokens ({saved_mib:.1f} MiB) in {_ms(save_s)}\n")
 
         print(
             f"2. The long conversation: each user turn pastes part of a garden log, until {args.long_tokens:,} tokens."
@@ -231,7 +232,7 @@ async def demo(args: argparse.Namespace) -> int:
         live_long_turn = await live_long.send(client, LONG_AFTER, long_params)
     long_file = store.path_for(LONG_SESSION)
     long_tokens = len(long.history_ids)
-    long_mib = long_file.stat().st_size / 2**20
+    long_mib = store.nbytes(LONG_SESSION) / 2**20
     print(
         f"   saved {long_tokens:,} tokens ({long_mib:.1f} MiB) in {_ms(long_save_s)}\n\n"
         f"3. Both sessions are saved ({file.name[:12]}..., {long_file.name[:12]}...); the worker was stopped.\n"
@@ -279,7 +280,7 @@ async def demo(args: argparse.Namespace) -> int:
         f" | {_ms(cold_turn.first_token_s)} |"
     )
     print(f"| prompt tokens | {_tokens(r)} | {_tokens(c)} |")
-    print(f"| checkpoint file | {file.stat().st_size / 2**20:.1f} MiB, saved in {_ms(save_s)} | - |")
+    print(f"| checkpoint files | {saved_mib:.1f} MiB, saved in {_ms(save_s)} | - |")
     print(f"| same reply as the session continued without the restart | {'yes' if same else 'NO'} | |")
     # A cold prefill computes the history's KV in one dense pass where the live session decoded it
     # token by token (with quantized weights, through the int4 kernel), so its reply may differ.
@@ -302,7 +303,7 @@ async def demo(args: argparse.Namespace) -> int:
         f"| whole turn ({r.completion_tokens} tokens generated) | {_ms(resumed_total)} (incl. resume)"
         f" | {_ms(long_cold_turn.total_s)} |"
     )
-    print(f"| checkpoint file | {long_mib:.1f} MiB, saved in {_ms(long_save_s)} | - |")
+    print(f"| checkpoint files | {long_mib:.1f} MiB, saved in {_ms(long_save_s)} | - |")
     print(f"| same reply as the session continued without the restart | {'yes' if long_same else 'NO'} | |")
     print(f"| same reply as the cold session | {'yes' if long_same_cold else 'no'} | |")
     print(

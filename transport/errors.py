@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointRejected",
     "ERROR_CLASSES",
     "error_from_wire",
+    "register_error_classes",
 ]
 
 
@@ -135,9 +136,22 @@ ERROR_CLASSES: dict[str, type[MuxError]] = {
 }
 
 
-def error_from_wire(code: str, message: str) -> MuxError:
-    """The exception an ``error`` message stands for; an unknown code becomes :class:`InternalError`."""
+def register_error_classes(*classes: type[MuxError]) -> None:
+    """Make more wire codes known to :func:`error_from_wire` (the checkpoint file errors,
+    transport/checkpoint/errors.py, which a worker sends since it reads and writes files)."""
+    for cls in classes:
+        ERROR_CLASSES.setdefault(cls.code, cls)
+
+
+def error_from_wire(code: str, message: str, reason: str | None = None) -> MuxError:
+    """The exception an ``error`` message stands for; an unknown code becomes :class:`InternalError`.
+    ``reason`` (a file error's ``disk_full``, ...) is set on the exception when it has one."""
+    if code.startswith("checkpoint_"):
+        from . import checkpoint  # noqa: F401  (registers the file errors' codes)
     cls = ERROR_CLASSES.get(code)
     if cls is None:
         return InternalError(f"unknown error code {code!r}: {message}")
-    return cls(message)
+    exc = cls(message)
+    if reason is not None and hasattr(exc, "reason"):
+        exc.reason = reason
+    return exc

@@ -126,6 +126,9 @@ class WorkerInfo:
     limits: dict[str, Any] = field(default_factory=dict)
     readiness: str = "ready"  # at the hello; a 1.0 worker does not say, and sends its hello when ready
     weights: str = "float"  # "quantized", "int4", "int8" or "float"; a worker before 0.2 does not say
+    # Whether the worker reads and writes checkpoint files passed over its file channel
+    # (transport/fdpass.py); without it checkpoints move through the pipes.
+    files: bool = False
 
     @classmethod
     def from_hello(cls, hello: dict[str, Any]) -> WorkerInfo:
@@ -152,4 +155,5 @@ class WorkerInfo:
             limits=dict(hello["limits"]),
             readiness=hello.get("readiness", "ready"),
             weights=hello.get("weights", "float"),
+            files=bool(hello.get("files", False)),
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import InvalidArgument, MuxError, ProtocolError
+from .fdpass import MAX_PASSED_FDS
 from .framing import DTYPES, PROTOCOL_VERSION, _byte_view, payload_nbytes
 
 __all__ = [
@@ -345,6 +346,18 @@ CHAT_MESSAGE = Record(
 )
 
 
+TAG = Str(nonempty=True, max_bytes=64)
+SEGMENT_REF = Record(
+    {
+        "name": Str(nonempty=True, max_bytes=255),
+        "start": Int(0, _I64_MAX),
+        "end": Int(1, _I64_MAX),
+        "file_length": Int(0, _I64_MAX),
+        "header_crc": Int(0, 2**32 - 1),
+    }
+)
+
+
 def _client(doc: str, required: dict[str, Spec], optional: dict[str, Spec] | None = None) -> MessageSpec:
     return MessageSpec("client", {"id": REQUEST_ID, **required}, optional or {}, doc)
 
@@ -405,12 +418,46 @@ MESSAGES: dict[str, MessageSpec] = {
         "Restore a checkpoint into an unused session id, keeping `position` tokens. Reply: ok.",
         {"session_id": SESSION_ID, "position": POSITION, "checkpoint": AnyMap()},
     ),
+    "save_file": _client(
+        "Write a session at its committed boundary as one checkpoint segment into the file passed with "
+        "this request (transport/fdpass.py; `fds`: 1), then fsync it: only the positions after `base` "
+        "when the session's slot still holds exactly what the store's save `base.tag` holds, else all. "
+        "The session remembers `tag` as its new base. Reply: ok with `value` {start, position, "
+        "file_length, header_crc, payload_bytes}.",
+        {
+            "session_id": SESSION_ID,
+            "fds": Int(1, 1),
+            "tag": TAG,
+            "base": Nullable(Record({"tag": TAG, "position": POSITION})),
+            "identity": Str(nonempty=True, max_bytes=256),
+            "max_bytes": Int(1, _I64_MAX),
+        },
+    ),
+    "restore_file": _client(
+        "Restore a saved session into an unused session id from the files passed with this request "
+        "(`fds` of them): the segments `segments` of a session manifest (docs/CHECKPOINT_FORMAT.md), "
+        "verified before the session is published, which then remembers `tag` as its base; or, with "
+        "`legacy`, one version 1 or 2 checkpoint file. Reply: ok with `value` {position}.",
+        {
+            "session_id": SESSION_ID,
+            "fds": Int(1, MAX_PASSED_FDS),
+            "identity": Str(nonempty=True, max_bytes=256),
+            "max_bytes": Int(1, _I64_MAX),
+        },
+        {
+            "tag": TAG,
+            "saved_id": SESSION_ID,
+            "segments": ListOf(SEGMENT_REF, max_len=MAX_PASSED_FDS),
+            "legacy": Bool(),
+        },
+    ),
     "info": _client("Ask for model and engine information. Reply: ok with `value`.", {}),
     # worker -> client
     "hello": _worker(
         "The worker's first frame: its protocol version and what it serves. `readiness` (1.1, sent to "
         "a client that passed `--heartbeat_ms`): `ready` once the engine takes work. `weights`: "
-        "`quantized` (a GGUF's 4-bit tensors kept 4-bit), `int4`/`int8` (quantized at load) or `float`.",
+        "`quantized` (a GGUF's 4-bit tensors kept 4-bit), `int4`/`int8` (quantized at load) or `float`. "
+        "`files`: true when it takes checkpoint files over its file channel (save_file, restore_file).",
         {
             "protocol": ListOf(Int(0, 255), min_len=2, max_len=2),
             "model": AnyMap(),
@@ -419,7 +466,7 @@ MESSAGES: dict[str, MessageSpec] = {
             "dtype": Str(),
             "limits": AnyMap(),
         },
-        {"readiness": OneOfStr(READINESS), "weights": Str()},
+        {"readiness": OneOfStr(READINESS), "weights": Str(), "files": Bool()},
     ),
     "heartbeat": _worker(
         "1.1: sent every `--heartbeat_ms` while the worker is busy and has written nothing else, so "
@@ -435,8 +482,10 @@ MESSAGES: dict[str, MessageSpec] = {
         "Request `id` finished; `result` holds finish_reason, counts, etc.", {"id": REQUEST_ID, "result": AnyMap()}
     ),
     "error": _worker(
-        "Request `id` failed (id 0: a failure not tied to a request). `code` is a wire error code.",
+        "Request `id` failed (id 0: a failure not tied to a request). `code` is a wire error code; "
+        "`reason`: why the system refused a checkpoint file's read or write (`disk_full`, ...).",
         {"id": ANY_ID, "code": Str(nonempty=True), "message": Str()},
+        {"reason": Str()},
     ),
     "tokens": _worker("Token ids for request `id`.", {"id": REQUEST_ID, "tokens": TOKENS}, {"text": Str()}),
     "text": _worker("Text for request `id`.", {"id": REQUEST_ID, "text": Str()}),
@@ -533,9 +582,11 @@ def hello_control(
     limits: Mapping[str, Any],
     readiness: str | None = None,
     weights: str | None = None,
+    files: bool = False,
 ) -> dict[str, Any]:
-    """The worker's hello control map for this protocol version (``readiness`` only for a 1.1 client)."""
-    control = {
+    """The worker's hello control map for this protocol version (``readiness`` only for a 1.1 client;
+    ``files`` only when it has a file channel)."""
+    control: dict[str, Any] = {
         "kind": "hello",
         "protocol": list(PROTOCOL_VERSION),
         "model": dict(model),
@@ -548,6 +599,8 @@ def hello_control(
         control["readiness"] = readiness
     if weights is not None:
         control["weights"] = weights
+    if files:
+        control["files"] = True
     return control
 
 
@@ -557,7 +610,11 @@ def error_control(request_id: int, exc: BaseException) -> dict[str, Any]:
         code, message = exc.code, str(exc)
     else:
         code, message = "internal", f"{type(exc).__name__}: {exc}"
-    return {"kind": "error", "id": request_id, "code": code, "message": message}
+    control: dict[str, Any] = {"kind": "error", "id": request_id, "code": code, "message": message}
+    reason = getattr(exc, "reason", None)
+    if isinstance(exc, MuxError) and isinstance(reason, str):
+        control["reason"] = reason
+    return control
 
 
 def schema_table() -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from muxworker.transport.fdio import FDS_ENV
+from muxworker.transport.fdpass import FILES_FLAG
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.models.args import ConfigError
 from muxworker.worker.models.defaults import (
@@ -157,6 +158,16 @@ _PROCESS_FLAGS: _Flags = [
         ("--reply-fd",),
         dict(type=int, metavar="M", help=f"inherited fd the worker writes replies to (or {FDS_ENV}=N,M)"),
     ),
+    (
+        (FILES_FLAG,),
+        dict(
+            type=int,
+            metavar="F",
+            dest="files_fd",
+            help="inherited socket the client passes checkpoint files on (SCM_RIGHTS); without it "
+            "checkpoints travel through the pipes",
+        ),
+    ),
 ]
 
 
@@ -201,6 +212,7 @@ class WorkerOptions:
     weights: str | None = None  # None: the model's default (muxworker.worker.models.defaults.resolve_weights)
     quantize: str | None = None
     heartbeat_ms: int | None = None  # None: a protocol 1.0 client (no heartbeats, no hello readiness)
+    files_fd: int | None = None  # the client's file channel (transport/fdpass.py), if it passed one
 
 
 def parse_args(argv: Sequence[str]) -> WorkerOptions:
@@ -240,4 +252,5 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
         weights=ns.weights,
         quantize=ns.quantize,
         heartbeat_ms=ns.heartbeat_ms,
+        files_fd=ns.files_fd,
     )

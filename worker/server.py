@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import queue
 import signal
 import sys
@@ -55,6 +56,7 @@ from muxworker.transport.errors import (
     ProtocolError,
 )
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter, worker_fds
+from muxworker.transport.fdpass import FileReceiver
 from muxworker.transport.framing import Frame, MiB, attach_payload, payload_array
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import error_control, hello_control, validate
@@ -175,9 +177,12 @@ class WorkerServer:
         hello: dict[str, Any],
         *,
         heartbeat_s: float = 0.0,
+        files: FileReceiver | None = None,
     ):
-        """``heartbeat_s`` > 0 starts the heartbeat thread (see the module docstring)."""
+        """``heartbeat_s`` > 0 starts the heartbeat thread (see the module docstring). ``files``:
+        the file channel checkpoint files arrive on (transport/fdpass.py), read by the engine thread."""
         self._engine = engine  # owned by the thread that calls serve()
+        self._files = files
         self._reader = reader  # owned by the reader thread once serve() starts it
         self._writer = writer  # written under _write_lock only (engine and heartbeat threads)
         self._hello = hello
@@ -207,6 +212,8 @@ class WorkerServer:
             "chat_template": self._chat_template,
             "export": self._export,
             "restore": self._restore,
+            "save_file": self._save_file,
+            "restore_file": self._restore_file,
             "info": self._info,
         }
 
@@ -459,6 +466,67 @@ class WorkerServer:
         self._engine.restore_checkpoint(control["session_id"], checkpoint, control["position"])
         self._write(self._ok(rid))
 
+    def _passed_files(self, rid: int, count: int) -> list[int]:
+        if self._files is None:
+            raise InvalidArgument("this worker has no file channel: send checkpoints with export/restore")
+        return self._files.receive(rid, count)
+
+    def _save_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+        (fd,) = self._passed_files(rid, control["fds"])
+        try:
+            base = control["base"]
+            value = self._engine.save_file(
+                control["session_id"],
+                fd,
+                tag=control["tag"],
+                base=None if base is None else (base["tag"], base["position"]),
+                identity=control["identity"],
+                max_bytes=control["max_bytes"],
+            )
+        finally:
+            os.close(fd)
+        self._write(self._ok(rid, value))
+
+    def _restore_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+        from muxworker.transport.checkpoint.file import read_checkpoint_file
+        from muxworker.transport.checkpoint.segments import SegmentRef
+
+        fds = self._passed_files(rid, control["fds"])
+        sid = control["session_id"]
+        try:
+            if control.get("legacy"):
+                if len(fds) != 1:
+                    raise InvalidArgument("a legacy checkpoint file is one file")
+                _, checkpoint = read_checkpoint_file(
+                    f"the saved file of session {sid!r}",
+                    fd=fds[0],
+                    expected_identity=control["identity"],
+                    max_bytes=control["max_bytes"],
+                )
+                assert checkpoint is not None
+                self._engine.restore_checkpoint(sid, checkpoint)
+                position = checkpoint.position
+            else:
+                refs = [
+                    SegmentRef(r["name"], r["start"], r["end"], r["file_length"], r["header_crc"])
+                    for r in control.get("segments", [])
+                ]
+                if "tag" not in control:
+                    raise InvalidArgument("restore_file of segments needs the manifest's tag")
+                position = self._engine.restore_files(
+                    sid,
+                    fds,
+                    refs,
+                    tag=control["tag"],
+                    identity=control["identity"],
+                    max_bytes=control["max_bytes"],
+                    saved_id=control.get("saved_id"),
+                )
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._write(self._ok(rid, {"position": position}))
+
     def _info(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         value = {k: v for k, v in self._hello.items() if k != "kind"}
         value["readiness"] = self._engine.readiness.value
@@ -530,9 +598,11 @@ def _tokens_frame(rid: int, ids: Sequence[int], *, text: str | None = None) -> F
 # Start-up
 
 
-def _hello(engine: Engine, *, protocol_1_1: bool = True) -> dict[str, Any]:
-    """The hello; ``readiness`` only for a client that announced protocol 1.1 (``--heartbeat_ms``)."""
+def _hello(engine: Engine, *, protocol_1_1: bool = True, files: bool = False) -> dict[str, Any]:
+    """The hello; ``readiness`` only for a client that announced protocol 1.1 (``--heartbeat_ms``),
+    ``files`` when the client passed a file channel."""
     return hello_control(
+        files=files,
         model=engine.model_info(),
         backend=engine.backend,
         device=engine.device_name,
@@ -641,8 +711,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STARTUP
     _log(_startup_summary(engine))
     reader = FdFrameReader(control_fd, screen=_prompt_screen(engine.config.max_session_tokens))
-    hello = _hello(engine, protocol_1_1=options.heartbeat_ms is not None)
-    return WorkerServer(engine, reader, writer, hello, heartbeat_s=(options.heartbeat_ms or 0) / 1000).serve()
+    files = _file_channel(options.files_fd)
+    hello = _hello(engine, protocol_1_1=options.heartbeat_ms is not None, files=files is not None)
+    return WorkerServer(
+        engine, reader, writer, hello, heartbeat_s=(options.heartbeat_ms or 0) / 1000, files=files
+    ).serve()
+
+
+def _file_channel(fd: int | None) -> FileReceiver | None:
+    """The file channel the client passed, if it is one (else checkpoints use the pipes)."""
+    if fd is None:
+        return None
+    try:
+        return FileReceiver(fd)
+    except OSError as exc:
+        _log(f"--files-fd {fd} is not a usable socket ({exc}); checkpoint files go through the pipes")
+        return None
 
 
 def _startup_summary(engine: Engine) -> str:

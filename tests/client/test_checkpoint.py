@@ -30,7 +30,8 @@ from muxworker.client.checkpoint import (
     save_checkpoint,
 )
 from muxworker.native import crc32c
-from muxworker.transport.errors import ERROR_CLASSES, CheckpointRejected, InvalidArgument, MuxError
+from muxworker.transport.errors import CheckpointRejected, InvalidArgument, MuxError, error_from_wire
+from muxworker.transport.schema import error_control
 
 
 def make_checkpoint(
@@ -174,7 +175,10 @@ def test_missing_file_is_not_found(tmp_path):
 
 def test_file_errors_share_one_root_that_is_not_the_workers_rejection():
     # A missing or damaged file is not "the worker rejected this checkpoint": `except
-    # CheckpointRejected` around a restore must not catch it, and it never travels on the wire.
+    # CheckpointRejected` around a restore must not catch it. A worker that reads or writes a
+    # passed file sends each with its own code, and the client raises the same class (with the
+    # system's reason for a read or write error).
+    codes = set()
     for cls in (
         CheckpointNotFound,
         CheckpointCorrupt,
@@ -186,7 +190,13 @@ def test_file_errors_share_one_root_that_is_not_the_workers_rejection():
     ):
         assert issubclass(cls, CheckpointError) and issubclass(cls, MuxError)
         assert not issubclass(cls, CheckpointRejected)
-        assert cls.code == "checkpoint_error" and cls.code not in ERROR_CLASSES
+        assert cls.code.startswith("checkpoint_") and cls.code not in codes
+        codes.add(cls.code)
+        error = error_from_wire(cls.code, "what happened", "disk_full")
+        assert type(error) is cls and str(error) == "what happened"
+        if issubclass(cls, (CheckpointWriteError, CheckpointReadError)):
+            assert error.reason == "disk_full"
+            assert error_control(7, error)["reason"] == "disk_full"
         assert cls.__doc__ and "\n" not in cls.__doc__.strip()
     # A checkpoint whose contents are refused is the worker's wire error, on either end.
     assert issubclass(CheckpointRetentionError, CheckpointRejected)

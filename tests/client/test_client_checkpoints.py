@@ -290,18 +290,29 @@ class _SlowStore(SessionStore):
         self.entered = threading.Event()
         self._lock = threading.Lock()
 
-    def save(self, session_id, checkpoint):
+    # A save through the worker's file channel runs from begin_save (the store creates the
+    # segment the worker writes) to commit_save (the manifest is replaced) or abort_save.
+    def begin_save(self, session_id):
         with self._lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
-        self.entered.set()
+        return super().begin_save(session_id)
+
+    def commit_save(self, plan, *args):
+        self.entered.set()  # the worker has written the segment; the manifest is next
+        self.hold.wait(HANG_GUARD_S)
         try:
-            self.hold.wait(HANG_GUARD_S)
-            super().save(session_id, checkpoint)
-            self.saved.append(session_id)
+            manifest = super().commit_save(plan, *args)
+            self.saved.append(plan.session_id)
+            return manifest
         finally:
             with self._lock:
                 self.active -= 1
+
+    def abort_save(self, plan):
+        super().abort_save(plan)
+        with self._lock:
+            self.active -= 1
 
 
 async def _slow_store(path, model_dir) -> _SlowStore:

@@ -583,11 +583,13 @@ class _HeldStore(SessionStore):
         self.hold = threading.Event()
         self.entered = threading.Event()
 
-    def save(self, session_id, checkpoint):
+    # A save through the worker's file channel ends with commit_save (the worker wrote the segment).
+    def commit_save(self, plan, *args):
         self.entered.set()
         self.hold.wait(HANG_GUARD_S)
-        super().save(session_id, checkpoint)
-        self.saved.append(session_id)
+        manifest = super().commit_save(plan, *args)
+        self.saved.append(plan.session_id)
+        return manifest
 
 
 async def _held_store(path, model_files) -> _HeldStore:

@@ -69,8 +69,13 @@ async def store(tmp_path, model_files):
     return await SessionStore.create(tmp_path / "sessions", model_files=model_files, configuration=CONFIG)
 
 
+LOCKS = {".muxworker-writers.lock", ".muxworker-commit.lock"}
+
+
 def leftovers(store: SessionStore) -> list[str]:
-    return sorted(n for n in os.listdir(store.path) if not n.endswith(".mxckpt"))
+    """Files in the store that no saved session holds (the lock files aside)."""
+    held = {p.name for sid in store.list() for p in store.files_of(sid)}
+    return sorted(n for n in os.listdir(store.path) if n not in held and n not in LOCKS and not n.endswith(".mxckpt"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +171,9 @@ async def test_any_session_id_maps_to_a_hashed_file_inside_the_directory(store):
     for i, sid in enumerate(WEIRD_IDS):
         assert_same(make_checkpoint(seed=i), store.load(sid))
     assert store.list() == sorted(WEIRD_IDS)
-    assert sorted(os.listdir(store.path)) == sorted(store.path_for(s).name for s in WEIRD_IDS)
+    manifests = sorted(n for n in os.listdir(store.path) if n.endswith(".mxckpt"))
+    assert manifests == sorted(store.path_for(s).name for s in WEIRD_IDS)
+    assert leftovers(store) == []
     assert not (store.path.parent / "escape").exists()
 
 
@@ -435,10 +442,14 @@ async def test_a_writer_killed_after_writing_its_temp_file_leaves_the_previous_f
         await proc.wait()
         await proc.stdout.aclose()
     assert proc.returncode == -signal.SIGKILL
+    # The killed writer leaves its new segment, which no manifest names, and clean() removes it.
     temps = leftovers(store)
     digest = hashlib.sha256(b"s").hexdigest()
-    assert len(temps) == 1 and temps[0].startswith(f".{digest}.") and temps[0].endswith(".tmp")
-    assert os.path.getsize(store.path / temps[0]) > 0
+    assert len(temps) == 1 and temps[0].startswith(f"{digest}.") and temps[0].endswith(".mxseg")
+    size = os.path.getsize(store.path / temps[0])
+    assert size > 0
+    assert store.clean() == (temps, size)
+    assert leftovers(store) == []
     assert_same(make_checkpoint(seed=1), store.load("s"))
     assert store.list() == ["s"]
     store.save("s", make_checkpoint(seed=2))  # a later save is unaffected by the leftover

@@ -42,9 +42,27 @@ def test_each_class_has_one_code_and_a_one_line_docstring(name, code):
     assert doc.strip() and "\n" not in doc.strip()
 
 
+# The checkpoint file errors (transport/checkpoint/errors.py): a worker sends them when it reads
+# or writes a file passed to it.
+FILE_ERROR_CODES = {
+    "CheckpointError": "checkpoint_error",
+    "CheckpointNotFound": "checkpoint_not_found",
+    "CheckpointCorrupt": "checkpoint_corrupt",
+    "CheckpointIncompatible": "checkpoint_incompatible",
+    "CheckpointTooLarge": "checkpoint_too_large",
+    "CheckpointUnsafePath": "checkpoint_unsafe_path",
+    "CheckpointWriteError": "checkpoint_write_error",
+    "CheckpointReadError": "checkpoint_read_error",
+}
+
+
 def test_mapping_is_exactly_the_wire_codes():
-    assert set(ERROR_CLASSES) == set(EXPECTED_CODES.values())
+    import muxworker.transport.checkpoint as checkpoint
+
+    assert set(ERROR_CLASSES) == set(EXPECTED_CODES.values()) | set(FILE_ERROR_CODES.values())
     assert len(set(ERROR_CLASSES.values())) == len(ERROR_CLASSES)
+    for name, code in FILE_ERROR_CODES.items():
+        assert ERROR_CLASSES[code] is getattr(checkpoint, name, None) or ERROR_CLASSES[code].__name__ == name
 
 
 @pytest.mark.parametrize("code", sorted(EXPECTED_CODES.values()))

@@ -91,6 +91,37 @@ def _examples() -> dict[str, tuple[dict, list]]:
     p = []
     manifest = {"format": 1, "rows": attach_payload(p, np.zeros((2, 4), np.float16))}
     ex["restore"] = ({"kind": "restore", "id": 7, "session_id": "chat-1", "position": 2, "checkpoint": manifest}, p)
+    ex["save_file"] = (
+        {
+            "kind": "save_file",
+            "id": 9,
+            "session_id": "chat-1",
+            "fds": 1,
+            "tag": "t2",
+            "base": {"tag": "t1", "position": 40},
+            "identity": "abc",
+            "max_bytes": 1 << 30,
+        },
+        [],
+    )
+    ex["restore_file"] = (
+        {
+            "kind": "restore_file",
+            "id": 10,
+            "session_id": "chat-1",
+            "fds": 2,
+            "identity": "abc",
+            "max_bytes": 1 << 30,
+            "tag": "t2",
+            "saved_id": "chat-0",
+            "segments": [
+                {"name": "a.mxseg", "start": 0, "end": 40, "file_length": 9000, "header_crc": 7},
+                {"name": "b.mxseg", "start": 40, "end": 52, "file_length": 5000, "header_crc": 8},
+            ],
+            "legacy": False,
+        },
+        [],
+    )
     ex["info"] = ({"kind": "info", "id": 8}, [])
     ex["hello"] = (
         hello_control(
@@ -100,6 +131,8 @@ def _examples() -> dict[str, tuple[dict, list]]:
             dtype="float32",
             limits=FrameLimits().to_dict(),
             readiness="ready",
+            weights="quantized",
+            files=True,
         ),
         [],
     )
@@ -107,7 +140,7 @@ def _examples() -> dict[str, tuple[dict, list]]:
     ex["ok"] = ({"kind": "ok", "id": 1, "value": {"sessions": 3}}, [])
     ex["token"] = ({"kind": "token", "id": 2, "text": " world", "token_ids": [1917]}, [])
     ex["done"] = ({"kind": "done", "id": 2, "result": {"finish_reason": "stop", "tokens": 5}}, [])
-    ex["error"] = ({"kind": "error", "id": 0, "code": "internal", "message": "boom"}, [])
+    ex["error"] = ({"kind": "error", "id": 0, "code": "internal", "message": "boom", "reason": "disk_full"}, [])
     p = []
     ex["tokens"] = ({"kind": "tokens", "id": 3, "tokens": _tokens(p, 2, np.uint32), "text": "hi"}, p)
     ex["text"] = ({"kind": "text", "id": 4, "text": "hello"}, [])
@@ -189,6 +222,8 @@ def test_message_kinds_are_the_documented_set():
         "chat_template",
         "export",
         "restore",
+        "save_file",
+        "restore_file",
         "info",
     }
     assert worker == {"hello", "heartbeat", "ok", "token", "done", "error", "tokens", "text", "checkpoint"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import errno
 
-from muxworker.transport.errors import CheckpointRejected, MuxError
+from muxworker.transport.errors import CheckpointRejected, MuxError, register_error_classes
 
 __all__ = [
     "CheckpointMalformed",
@@ -48,29 +48,40 @@ class CheckpointRetentionError(CheckpointRejected):
 
 
 class CheckpointError(MuxError):
-    """Base of the checkpoint file, store and identity errors raised on this side of the wire."""
+    """Base of the checkpoint file, store and identity errors. A worker that reads or writes a
+    file passed to it (save_file, restore_file) sends them with their own codes."""
 
-    code = "checkpoint_error"  # never on the wire: the worker reads and writes no files
+    code = "checkpoint_error"
 
 
 class CheckpointNotFound(CheckpointError):
     """No checkpoint file exists at this path (or for this session id)."""
 
+    code = "checkpoint_not_found"
+
 
 class CheckpointCorrupt(CheckpointError):
     """The file is truncated, damaged or not a checkpoint: a magic, size, structure or checksum failed."""
+
+    code = "checkpoint_corrupt"
 
 
 class CheckpointIncompatible(CheckpointError):
     """The checkpoint was made for another model/configuration identity, format or file version."""
 
+    code = "checkpoint_incompatible"
+
 
 class CheckpointTooLarge(CheckpointError):
     """The checkpoint's payload bytes exceed the configured ``max_bytes``."""
 
+    code = "checkpoint_too_large"
+
 
 class CheckpointUnsafePath(CheckpointError):
     """The path is a symlink, FIFO, directory or other non-regular file, so it is not read or replaced."""
+
+    code = "checkpoint_unsafe_path"
 
 
 class _OSFailure(CheckpointError):
@@ -85,9 +96,25 @@ class _OSFailure(CheckpointError):
 class CheckpointWriteError(_OSFailure):
     """The system refused or failed a write (disk full, read-only, permission denied); earlier files stay."""
 
+    code = "checkpoint_write_error"
+
 
 class CheckpointReadError(_OSFailure):
     """The system refused or failed a read of a checkpoint file (permission denied, I/O error)."""
+
+    code = "checkpoint_read_error"
+
+
+register_error_classes(
+    CheckpointError,
+    CheckpointNotFound,
+    CheckpointCorrupt,
+    CheckpointIncompatible,
+    CheckpointTooLarge,
+    CheckpointUnsafePath,
+    CheckpointWriteError,
+    CheckpointReadError,
+)
 
 
 # errno -> (reason, what to tell the user). EPERM is what root gets from an immutable (chattr +i)

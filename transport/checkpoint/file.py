@@ -60,7 +60,6 @@ DEFAULT_MAX_BYTES = 16 * 2**30
 
 MAGIC = b"MUXCKPT\0"
 FILE_VERSION = 2  # 2 adds "identity_inputs" to the file manifest; version 1 files still load
-_READABLE_VERSIONS = (1, 2)
 TRAILER_MAGIC = b"MUXEND\0\0"
 ALIGN = 4096
 MAX_MANIFEST = 16 * 2**20
@@ -240,6 +239,25 @@ def write_checkpoint_file(
     file is named in that message (default ``name``).
     """
     head, payloads, trailer = _encode(checkpoint, session_id, max_bytes, identity_inputs)
+    buffers: list[memoryview | bytes] = [head]
+    position = len(head)
+    for offset, view in payloads:
+        buffers.append(memoryview(_ZEROS)[: offset - position])
+        buffers.append(view)
+        position = offset + view.nbytes
+    buffers.append(trailer)
+    replace_file(dir_fd, name, buffers, temp_prefix=temp_prefix, display=display)
+
+
+def replace_file(
+    dir_fd: int, name: str, buffers: Sequence[memoryview | bytes], *, temp_prefix: str, display: str | None = None
+) -> None:
+    """Atomically replace ``name`` in ``dir_fd`` with the concatenation of ``buffers``.
+
+    Writes ``.<temp_prefix>.<random>.tmp`` (O_EXCL, O_NOFOLLOW, mode 0600), fsyncs it, renames it
+    over ``name`` and fsyncs the directory. On failure the temp file is removed when possible and
+    the previous ``name`` is untouched; a failure of the system raises :class:`CheckpointWriteError`.
+    """
     what = f"cannot save {display or name!r}"
     keep = "; the previous file, if any, is unchanged"
     step = "checking the target"
@@ -253,13 +271,6 @@ def write_checkpoint_file(
         raise os_failure(CheckpointWriteError, e, f"{what} ({step})", after=keep) from None
     try:
         try:
-            buffers: list[memoryview | bytes] = [head]
-            position = len(head)
-            for offset, view in payloads:
-                buffers.append(memoryview(_ZEROS)[: offset - position])
-                buffers.append(view)
-                position = offset + view.nbytes
-            buffers.append(trailer)
             step = "writing"
             _write_all(fd, buffers)
             step = "flushing it to disk"
@@ -314,6 +325,17 @@ def _open_regular(path: str, dir_fd: int | None) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def fstat_regular(fd: int, path: str) -> os.stat_result:
+    """``fstat`` of an open file that must be a regular one (a passed fd is checked like a path)."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise os_failure(CheckpointReadError, e, f"cannot stat {path!r}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointUnsafePath(f"{path!r} is not a regular file")
+    return st
+
+
 def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < view.nbytes:
@@ -352,8 +374,13 @@ def _check_depth(obj: Any, depth: int = 1) -> None:
             _check_depth(value, depth + 1)
 
 
-def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, int]:
-    """Verified file manifest, the header CRC and where the header block ends. Reads at most 16 MiB, whatever the file says."""
+def _read_manifest(
+    fd: int, st: os.stat_result, path: str, versions: dict[int, set[str]] | None = None
+) -> tuple[dict, int, int]:
+    """Verified file manifest, the header CRC and where the header block ends. Reads at most 16 MiB,
+    whatever the file says. ``versions``: the readable file versions and each one's manifest fields
+    (default: checkpoint files, versions 1 and 2)."""
+    versions = _FILE_KEYS if versions is None else versions
     size = st.st_size
     if size < _HEADER.size:
         raise CheckpointCorrupt(f"{path!r} is {size} bytes, too short for a checkpoint header")
@@ -375,22 +402,22 @@ def _read_manifest(fd: int, st: os.stat_result, path: str) -> tuple[dict, int, i
         raise CheckpointCorrupt(f"{path!r}: header/manifest checksum mismatch")
     # Checked after the CRC so that a damaged version field reads as corruption, a real newer
     # file as an incompatible one.
-    if version not in _READABLE_VERSIONS:
+    if version not in versions:
         raise CheckpointIncompatible(
             f"{path!r} is checkpoint file version {version}; this build reads versions "
-            f"{', '.join(map(str, _READABLE_VERSIONS))}"
+            f"{', '.join(map(str, versions))} here"
         )
     try:
         manifest = msgpack.unpackb(memoryview(block)[:manifest_len], raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several types for damaged input
         raise CheckpointCorrupt(f"{path!r}: manifest is not valid msgpack ({e})") from None
-    keys = _FILE_KEYS[version]
+    keys = versions[version]
     if not isinstance(manifest, dict):
         raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(keys)}")
     _check_depth(manifest)
     if manifest.keys() != keys:
         raise CheckpointCorrupt(f"{path!r}: manifest must be a map with fields {sorted(keys)}")
-    session_id = manifest["session_id"]
+    session_id = manifest.get("session_id")
     if session_id is not None and not isinstance(session_id, str):
         raise CheckpointCorrupt(f"{path!r}: manifest session_id must be a string or nil")
     inputs = manifest.get("identity_inputs")  # absent from version 1 files
@@ -481,13 +508,20 @@ def read_checkpoint_file(
     manifest_only: bool = False,
     expected_inputs: IdentityInputs | None = None,
     expected_label: str = "expected",
+    fd: int | None = None,
 ) -> tuple[str | None, CPUCheckpoint | None]:
     """(session id, checkpoint) of a verified file; the checkpoint is None when ``manifest_only``.
 
     An identity other than ``expected_identity`` raises :class:`CheckpointIncompatible` naming what
     differs between the file's recorded inputs and ``expected_inputs`` (called ``expected_label``).
+    ``fd``: read this open file (which stays open) instead of opening ``path``, which then only
+    names it in messages.
     """
-    fd, st = _open_regular(path, dir_fd)
+    owned = fd is None
+    if fd is None:
+        fd, st = _open_regular(path, dir_fd)
+    else:
+        st = fstat_regular(fd, path)
     try:
         manifest, head_crc, head_end = _read_manifest(fd, st, path)
         wire = manifest["checkpoint"]
@@ -535,7 +569,8 @@ def read_checkpoint_file(
                 raise CheckpointCorrupt(f"{path!r}: payload {i} checksum mismatch")
             buffers.append(view)
     finally:
-        os.close(fd)
+        if owned:
+            os.close(fd)
     try:
         checkpoint = checkpoint_from_wire(wire, buffers)
     except CheckpointMalformed as e:

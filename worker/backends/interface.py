@@ -79,6 +79,29 @@ class Executor(Protocol):
         holds (see engine/core.py), 0 when every claimed row was imported."""
         ...
 
+    # Checkpoint files (engine/checkpoint_files.py). With ``direct_kv_io`` the executor lends byte
+    # views of its cache rows, head-major, which files are written from and read into; without it
+    # those files go through export_layers / import_layers and host copies.
+    @property
+    def direct_kv_io(self) -> bool: ...
+
+    def export_start(self, slot: int, layer: int, length: int, position: int, floor: int = 0) -> int:
+        """The first position ``export_layers`` holds of ``layer``."""
+        ...
+
+    def kv_views(
+        self, slot: int, layer: int, lo: int, hi: int, writable: bool = False
+    ) -> tuple[list[memoryview], list[memoryview]]:
+        """Keys' and values' byte views of positions ``[lo, hi)``, each concatenating to the
+        head-major ``[KV, hi - lo, D]`` block."""
+        ...
+
+    def kv_clear(self, slot: int, layer: int, lo: int, hi: int) -> None:
+        """Zero one layer's rows of ``slot`` except those that will hold positions ``[lo, hi)``."""
+        ...
+
+    def kv_zero_slot(self, slot: int) -> None: ...
+
 
 def check_batch(
     tokens: Sequence[int], positions: Sequence[int], logits_rows: Sequence[int], *, vocab_size: int, max_positions: int

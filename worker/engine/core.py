@@ -52,6 +52,7 @@ import torch
 
 from muxworker.native import all_finite
 from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState
+from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -68,7 +69,7 @@ from muxworker.transport.errors import (
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 from muxworker.worker.backends.interface import Executor, geometry
-from muxworker.worker.engine import output
+from muxworker.worker.engine import checkpoint_files, output
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.prefix_cache import PrefixCache
 from muxworker.worker.engine.sampling import Penalties, SamplingError, SamplingParams, sample, verify_drafts
@@ -329,10 +330,12 @@ class Engine:
         fresh = s.kv_len == 0
         reused = self._reusable_prefix(s, ids)
         floor = s.kv_floor if reused else 0
+        s.keep_rows(reused)
         hit = self.prefix_cache.match(ids, len(ids) - 1)
         if hit is not None and hit[1] > reused:
             floor = self.prefix_cache.copy_into(hit[0], s.slot, hit[1])
             reused = hit[1]
+            s.durable = None  # the entry's rows replaced the slot's
         req = Request(
             rid=request_id,
             session=s,
@@ -405,6 +408,7 @@ class Engine:
             return  # a ring no longer holds the rows before the cut
         s.tokens = s.tokens[:length]
         s.kv_len = length
+        s.keep_rows(length)
         draft = self.draft
         if draft is not None and s.draft_len > length:
             if draft.cache.can_truncate(s.draft_len, length, s.draft_floor):
@@ -542,18 +546,22 @@ class Engine:
     def draft_geometry(self) -> dict[str, Any] | None:
         return None if self.proposer is None else self.proposer.geometry
 
+    @staticmethod
+    def _check_saveable(s: Session) -> None:
+        if s.request is not None:
+            raise Unsaveable(f"session {s.sid!r} is busy generating (request {s.request.rid})")
+        if s.unsaveable is not None:
+            raise Unsaveable(f"session {s.sid!r} cannot be saved: {s.unsaveable}")
+        if s.kv_len == 0:
+            raise Unsaveable(f"session {s.sid!r} cannot be saved: empty")
+
     def export_checkpoint(self, sid: str, position: int | None = None) -> CPUCheckpoint:
         """An independent host copy of a session's committed state at ``position``.
 
         The default position is the committed boundary: every token whose KV the cache holds.
         """
         s = self._session(sid)
-        if s.request is not None:
-            raise Unsaveable(f"session {sid!r} is busy generating (request {s.request.rid})")
-        if s.unsaveable is not None:
-            raise Unsaveable(f"session {sid!r} cannot be saved: {s.unsaveable}")
-        if s.kv_len == 0:
-            raise Unsaveable(f"session {sid!r} cannot be saved: empty")
+        self._check_saveable(s)
         if position is None:
             position = s.kv_len
         if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= s.kv_len:
@@ -631,6 +639,62 @@ class Engine:
         self._sessions[sid] = Session(
             sid, slot, ids.tolist(), position, None, None, draft_len, kv_floor=floor, draft_floor=draft_floor
         )
+
+    # ----------------------------------------------------------------- checkpoint files
+
+    def save_file(
+        self, sid: str, fd: int, *, tag: str, base: tuple[str, int] | None, identity: str, max_bytes: int
+    ) -> dict[str, Any]:
+        """Write session ``sid`` at its committed boundary as one segment into the open, empty file
+        ``fd`` (checkpoint_files.py): only the rows after ``base`` when the session's slot still
+        holds exactly what the store's save ``base`` does, else all of them."""
+        s = self._session(sid)
+        self._check_saveable(s)
+        if self.proposer is not None:
+            raise Unsaveable(f"session {sid!r} runs with a draft model, whose state is saved through export_checkpoint")
+        return checkpoint_files.save_segment(
+            self, s, fd, tag=tag, base=base, session_id=sid, identity=identity, max_bytes=max_bytes
+        )
+
+    def restore_files(
+        self,
+        sid: str,
+        fds: Sequence[int],
+        refs: Sequence[SegmentRef],
+        *,
+        tag: str,
+        identity: str,
+        max_bytes: int,
+        saved_id: str | None = None,
+    ) -> int:
+        """Publish a new session ``sid`` from the open segment files of the saved session
+        ``saved_id`` (default ``sid``: the segments must hold it), all of its history; return its
+        position. A rejected restore leaves ``sid`` unused."""
+        self._check_ready()
+        self._check_session_id(sid)
+        if sid in self._sessions:
+            raise SessionExists(f"session {sid!r} is already open; restore needs an unused session id")
+        if self.proposer is not None:
+            raise CheckpointRejected("this worker runs a draft model: restore its sessions with restore_checkpoint")
+        if refs and refs[-1].end >= self.config.max_session_tokens:
+            raise ContextOverflow(
+                f"restore position {refs[-1].end} leaves no room in max_session_tokens ({self.config.max_session_tokens})"
+            )
+        if not self._free_slots:
+            raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
+        slot = self._free_slots[-1]
+        ids, position, floor = checkpoint_files.restore_segments(
+            self,
+            slot,
+            fds,
+            refs,
+            session_id=sid if saved_id is None else saved_id,
+            identity=identity,
+            max_bytes=max_bytes,
+        )
+        self._free_slots.pop()
+        self._sessions[sid] = Session(sid, slot, ids, position, None, None, 0, kv_floor=floor, durable=(tag, position))
+        return position
 
     # ----------------------------------------------------------------- shutdown
 

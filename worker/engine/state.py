@@ -61,11 +61,21 @@ class Session:
     # from a prefix-cache entry that was); 0 when every row was computed here (core.py).
     kv_floor: int = 0
     draft_floor: int = 0
+    # (tag, rows): rows [0, rows) of the slot are exactly what the store's save ``tag`` holds, so a
+    # save on top of that tag writes only the rows after them (checkpoint_files.py). Set by a save
+    # or a restore through files; dropped when the history is cut below ``rows``.
+    durable: tuple[str, int] | None = None
 
     def forget(self) -> None:
         """Empty the history: nothing of the slot is reused any more."""
         self.tokens = []
         self.kv_len = self.kv_floor = self.draft_len = self.draft_floor = 0
+        self.durable = None
+
+    def keep_rows(self, rows: int) -> None:
+        """The history now keeps only its first ``rows`` rows: a durable base past them is gone."""
+        if self.durable is not None and rows < self.durable[1]:
+            self.durable = None
 
 
 @dataclass

@@ -175,6 +175,24 @@ class MLXExecutor:
             mx.eval(self.cache.slot_arrays([slot]))
         return floor
 
+    # The cache lives in MLX arrays, which lend no stable host views: checkpoint files go through
+    # export_layers / import_layers (worker/engine/checkpoint_files.py).
+    direct_kv_io = False
+
+    def export_start(self, slot: int, layer: int, length: int, position: int, floor: int = 0) -> int:
+        raise NotImplementedError("the MLX cache has no direct file I/O (direct_kv_io is False)")
+
+    def kv_views(
+        self, slot: int, layer: int, lo: int, hi: int, writable: bool = False
+    ) -> tuple[list[memoryview], list[memoryview]]:
+        raise NotImplementedError("the MLX cache has no direct file I/O (direct_kv_io is False)")
+
+    def kv_clear(self, slot: int, layer: int, lo: int, hi: int) -> None:
+        raise NotImplementedError("the MLX cache has no direct file I/O (direct_kv_io is False)")
+
+    def kv_zero_slot(self, slot: int) -> None:
+        raise NotImplementedError("the MLX cache has no direct file I/O (direct_kv_io is False)")
+
 
 def _to_numpy(a: mx.array, storage: np.dtype) -> np.ndarray:
     """An independent C-contiguous host copy; bfloat16 as its raw uint16 bits."""

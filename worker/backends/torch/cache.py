@@ -81,6 +81,18 @@ class LayerCache:
         """Copy what slot ``src`` retains at ``length`` into slot ``dst`` (an independent copy)."""
         raise NotImplementedError
 
+    def export_start(self, length: int, position: int, floor: int = 0) -> int:
+        """The first position :meth:`export_rows` returns (without copying anything)."""
+        raise NotImplementedError
+
+    def runs(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Positions ``[lo, hi)`` of a slot as (first row, row count) runs of its row axis."""
+        raise NotImplementedError
+
+    def clear_outside(self, slot: int, lo: int, hi: int) -> None:
+        """Zero every row of ``slot`` except the ones that will hold positions ``[lo, hi)``."""
+        raise NotImplementedError
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -130,6 +142,17 @@ class FullLayerCache(FullRetention, LayerCache):
     def copy_slot(self, src, dst, length):
         self.k[dst, :, :length] = self.k[src, :, :length]
         self.v[dst, :, :length] = self.v[src, :, :length]
+
+    def export_start(self, length, position, floor=0):
+        return 0
+
+    def runs(self, lo, hi):
+        return [(lo, hi - lo)] if hi > lo else []
+
+    def clear_outside(self, slot, lo, hi):
+        for cache in (self.k, self.v):
+            cache[slot, :, :lo].zero_()
+            cache[slot, :, hi:].zero_()
 
 
 class RingLayerCache(RingRetention, LayerCache):
@@ -229,6 +252,22 @@ class RingLayerCache(RingRetention, LayerCache):
     def copy_slot(self, src, dst, length):
         self.k[dst] = self.k[src]
         self.v[dst] = self.v[src]
+
+    def export_start(self, length, position, floor=0):
+        return max(self.retained(length)[0], floor, self.keep(position))
+
+    def runs(self, lo, hi):
+        if hi - lo > self.capacity:
+            raise ValueError(f"positions [{lo}, {hi}) do not fit a ring of {self.capacity} rows")
+        if hi <= lo:
+            return []
+        first = lo % self.capacity
+        n = min(hi - lo, self.capacity - first)
+        return [(first, n)] + ([(0, hi - lo - n)] if n < hi - lo else [])
+
+    def clear_outside(self, slot, lo, hi):
+        self.k[slot].zero_()
+        self.v[slot].zero_()
 
 
 class KVCache(CacheRetention):

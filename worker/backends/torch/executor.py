@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
+from muxworker.transport.checkpoint.segments import byte_view
 from muxworker.worker.backends.interface import SeqSpan, check_batch
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
@@ -203,6 +204,45 @@ class TorchExecutor:
             if lo > layer.keep(position):
                 floor = max(floor, lo)
         return floor
+
+    # -- direct file I/O of cache rows (worker/engine/checkpoint_files.py) ------------------------
+
+    @property
+    def direct_kv_io(self) -> bool:
+        """Whether :meth:`kv_views` lends views of the cache itself (host memory: the CPU)."""
+        return self.device.type == "cpu"
+
+    def export_start(self, slot: int, layer: int, length: int, position: int, floor: int = 0) -> int:
+        return self.cache.layers[layer].export_start(length, position, floor)
+
+    def kv_views(
+        self, slot: int, layer: int, lo: int, hi: int, writable: bool = False
+    ) -> tuple[list[memoryview], list[memoryview]]:
+        """Byte views of the cache rows of positions ``[lo, hi)`` of one layer, keys and values,
+        each concatenating to the head-major ``[KV, hi - lo, D]`` block (the cache's own layout, so
+        these are views, not copies). CPU only (:attr:`direct_kv_io`)."""
+        cache = self.cache.layers[layer]
+        runs = cache.runs(lo, hi)
+        out = []
+        for t in (cache.k, cache.v):
+            views = []
+            for head in range(t.shape[1]):
+                for row, n in runs:
+                    block = t[slot, head, row : row + n]
+                    if block.dtype == torch.bfloat16:
+                        block = block.view(torch.uint16)
+                    views.append(byte_view(block.numpy()))
+            out.append(views)
+        return out[0], out[1]
+
+    def kv_clear(self, slot: int, layer: int, lo: int, hi: int) -> None:
+        """Zero one layer's rows of ``slot`` except those that will hold positions ``[lo, hi)``."""
+        self.cache.layers[layer].clear_outside(slot, lo, hi)
+
+    def kv_zero_slot(self, slot: int) -> None:
+        for layer in self.cache.layers:
+            layer.k[slot].zero_()
+            layer.v[slot].zero_()
 
 
 def _to_numpy(t: torch.Tensor, storage: np.dtype) -> np.ndarray:

@@ -1,0 +1,155 @@
+"""Inspect and maintain a session store: ``python -m muxworker.sessions DIR COMMAND``.
+
+    list                     every saved session: id, tokens, size, segments, dtype, model identity, times
+    show ID                  one session in full, with its files
+    delete ID...             remove saved sessions (live sessions in a worker are untouched)
+    prune --older-than T     delete the sessions last saved more than T ago (T: 3600, 90m, 12h, 7d)
+    verify [ID...]           read every byte and check every checksum (all sessions by default)
+    clean                    remove what killed writers left (temp files, unpublished segments), only
+                             when no writer holds the store
+
+Exit status: 0 on success, 1 when a session is missing or fails verification, 2 on a usage error or
+when the store cannot be used (``clean`` while a writer holds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+from collections.abc import Sequence
+
+from muxworker.client import CheckpointError, InvalidArgument, SessionInfo, SessionStore, StoreBusy
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``3600``, ``90m``, ``12h``, ``7d``, ``2w``."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 3600, 90m, 12h or 7d")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _time(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _table(infos: Sequence[SessionInfo]) -> str:
+    rows = [["session", "tokens", "MiB", "segments", "dtype", "identity", "created", "saved"]]
+    for i in infos:
+        rows.append(
+            [
+                i.session_id,
+                f"{i.tokens}",
+                _mib(i.nbytes),
+                f"{i.segments}",
+                i.dtype,
+                (i.identity or "-")[:12],
+                _time(i.created),
+                _time(i.saved),
+            ]
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    right = {1, 2, 3}
+    return "\n".join(
+        "  ".join(
+            cell.rjust(w) if c in right else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m muxworker.sessions",
+        description="Inspect and maintain a muxworker session store.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+    )
+    p.add_argument("store", metavar="DIR", help="the session store directory")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("list", help="every saved session")
+    show = sub.add_parser("show", help="one session in full")
+    show.add_argument("session_id", metavar="ID")
+    delete = sub.add_parser("delete", help="remove saved sessions")
+    delete.add_argument("session_ids", metavar="ID", nargs="+")
+    prune = sub.add_parser("prune", help="delete sessions last saved more than T ago")
+    prune.add_argument("--older-than", dest="older_than", type=parse_duration, required=True, metavar="T")
+    verify = sub.add_parser("verify", help="check every checksum")
+    verify.add_argument("session_ids", metavar="ID", nargs="*")
+    sub.add_parser("clean", help="remove temp files and unpublished segments of killed writers")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        store = SessionStore.inspect(args.store)
+    except (CheckpointError, InvalidArgument) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    if args.command == "list":
+        infos = store.list_info()
+        print(_table(infos))
+        total = sum(i.nbytes for i in infos)
+        print(f"{len(infos)} session(s), {_mib(total)} MiB")
+    elif args.command == "show":
+        try:
+            info = store.info(args.session_id)
+            files = store.files_of(args.session_id)
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for key in ("session_id", "tokens", "nbytes", "segments", "dtype", "backend", "identity", "file_version"):
+            print(f"{key + ':':14} {getattr(info, key)}")
+        print(f"{'created:':14} {_time(info.created)}")
+        print(f"{'saved:':14} {_time(info.saved)}")
+        for path in files:
+            print(f"{'file:':14} {path.name} ({path.stat().st_size} bytes)")
+    elif args.command == "delete":
+        for sid in args.session_ids:
+            if store.delete(sid):
+                print(f"deleted {sid}")
+            else:
+                print(f"no saved session {sid!r}", file=sys.stderr)
+                status = 1
+    elif args.command == "prune":
+        for sid in store.prune(args.older_than):
+            print(f"deleted {sid}")
+    elif args.command == "verify":
+        ids = args.session_ids or [i.session_id for i in store.list_info()]
+        damaged = store.unreadable() if not args.session_ids else []
+        for name, why in damaged:
+            print(f"BAD  {name}: {why}")
+            status = 1
+        for sid in ids:
+            try:
+                info = store.verify(sid)
+            except CheckpointError as exc:
+                print(f"BAD  {sid}: {exc}")
+                status = 1
+            else:
+                print(f"ok   {sid} ({info.tokens} tokens, {info.segments} segment(s), {_mib(info.nbytes)} MiB)")
+    elif args.command == "clean":
+        try:
+            removed, nbytes = store.clean()
+        except StoreBusy as exc:
+            print(f"error: {exc}; run clean when no worker or client is saving", file=sys.stderr)
+            return 2
+        for name in removed:
+            print(f"removed {name}")
+        print(f"{len(removed)} file(s), {_mib(nbytes)} MiB")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

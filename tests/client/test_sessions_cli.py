@@ -1,0 +1,123 @@
+"""``python -m muxworker.sessions``: the store's command line, run as a real process on a real store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from muxworker.client import SessionStore
+from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
+
+FORMAT = {"backend": "torch", "dtype": "float32", "layout_version": 1}
+GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "windows": [None, 3]}
+
+
+def checkpoint(n: int, seed: int = 0) -> CPUCheckpoint:
+    rng = np.random.default_rng(seed)
+    layers = []
+    for window in GEOMETRY["windows"]:
+        start = 0 if window is None else max(0, n - window)
+        k = rng.standard_normal((n - start, 2, 4)).astype(np.float32)
+        layers.append(LayerState(start, k, -k))
+    return CPUCheckpoint(FORMAT, GEOMETRY, n, np.arange(n, dtype=np.int32), layers)
+
+
+def cli(store_dir, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "muxworker.sessions", str(store_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SessionStore(tmp_path / "sessions", identity="feedface" * 8)
+    s.save("chat: one", checkpoint(20, 1))
+    s.save("agent/2", checkpoint(7, 2))
+    return s
+
+
+def test_list_and_show_name_sessions_by_id_with_tokens_bytes_identity_and_times(store):
+    out = cli(store.path, "list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:6] == ["session", "tokens", "MiB", "segments", "dtype", "identity"]
+    assert lines[1].startswith("agent/2") and " 7 " in lines[1] and "feedfacefeed" in lines[1]
+    assert lines[2].startswith("chat: one") and " 20 " in lines[2]
+    assert lines[-1].startswith("2 session(s)")
+    show = cli(store.path, "show", "chat: one")
+    assert show.returncode == 0, show.stderr
+    assert "tokens:        20" in show.stdout and "dtype:         float32" in show.stdout
+    assert show.stdout.count("file:") == 2  # the manifest and its one segment
+    missing = cli(store.path, "show", "nope")
+    assert missing.returncode == 1 and "no saved checkpoint" in missing.stderr
+
+
+def test_verify_finds_a_damaged_segment_and_names_its_session(store):
+    assert cli(store.path, "verify").returncode == 0
+    segment = store.files_of("agent/2")[1]
+    data = bytearray(segment.read_bytes())
+    data[-40] ^= 0x10
+    segment.write_bytes(data)
+    out = cli(store.path, "verify")
+    assert out.returncode == 1
+    assert "BAD  agent/2" in out.stdout and "checksum" in out.stdout and "ok   chat: one" in out.stdout
+    manifest = store.path_for("chat: one")
+    manifest.write_bytes(manifest.read_bytes()[:-3])  # a damaged manifest: list skips it, verify says so
+    out = cli(store.path, "verify")
+    assert out.returncode == 1 and f"BAD  {manifest.name}" in out.stdout
+
+
+def test_delete_and_prune(store):
+    assert cli(store.path, "delete", "agent/2").stdout.strip() == "deleted agent/2"
+    assert store.list() == ["chat: one"]
+    assert cli(store.path, "delete", "agent/2").returncode == 1
+    assert cli(store.path, "prune", "--older-than", "1h").stdout == ""  # saved just now
+    old = time.time() - 3 * 86400
+    store.save("old", checkpoint(5, 3))
+    # Age "old" by rewriting its manifest's saved time through the store's own API.
+    from muxworker.transport.checkpoint.segments import encode_session_manifest
+
+    dir_fd = os.open(store.path, os.O_RDONLY)
+    try:
+        m = store._manifest(dir_fd, "old")
+    finally:
+        os.close(dir_fd)
+    m.saved = old
+    store.path_for("old").write_bytes(encode_session_manifest(m))
+    out = cli(store.path, "prune", "--older-than", "2d")
+    assert out.returncode == 0 and out.stdout.strip() == "deleted old"
+    assert store.list() == ["chat: one"]
+    assert cli(store.path, "prune", "--older-than", "soon").returncode == 2
+
+
+def test_clean_removes_leftovers_only_when_no_writer_holds_the_store(store):
+    stray = store.path / (store.path_for("x").stem + ".0123456789abcdef.mxseg")
+    stray.write_bytes(b"x" * 100)
+    temp = store.path / f".{store.path_for('x').stem}.fedcba9876543210.tmp"
+    temp.write_bytes(b"y" * 50)
+    plan = store.begin_save("busy")
+    try:
+        busy = cli(store.path, "clean")
+        assert busy.returncode == 2 and "is writing to the session store" in busy.stderr
+        assert stray.exists()
+    finally:
+        store.abort_save(plan)
+    out = cli(store.path, "clean")
+    assert out.returncode == 0
+    assert not stray.exists() and not temp.exists()
+    assert "2 file(s)" in out.stdout
+    assert sorted(store.list()) == ["agent/2", "chat: one"]
+    assert cli(store.path, "verify").returncode == 0
+
+
+def test_a_missing_store_is_a_clear_error(tmp_path):
+    out = cli(tmp_path / "nowhere", "list")
+    assert out.returncode == 2 and "no session store" in out.stderr

@@ -1,0 +1,233 @@
+"""Saving sessions into segment files and restoring them, in the engine (worker/engine/checkpoint_files.py).
+
+A restored session must hold exactly the rows the saved one held (compared byte for byte through
+export_checkpoint), continue exactly as the never-saved session does, and an incremental save must
+write only the new positions. The tiny Mistral has a window of 16, so its rings wrap; the tiny
+Llama has only full layers. Both backends: torch reads and writes its cache in place, MLX through
+host copies.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+from helpers.engine import greedy, prompt_ids, run
+
+from muxworker.transport.checkpoint.errors import CheckpointCorrupt, CheckpointTooLarge
+from muxworker.transport.checkpoint.segments import SegmentRef
+from muxworker.transport.errors import CheckpointRejected, SessionNotFound, Unsaveable
+from muxworker.worker.build import load_engine
+from muxworker.worker.engine.config import EngineConfig
+
+IDENTITY = "test-identity"
+BIG = 1 << 40
+
+
+@pytest.fixture(params=["torch", "mlx"])
+def backend(request):
+    if request.param == "mlx":
+        pytest.importorskip("mlx.core")
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["mistral", "llama"])
+def model_dir(request, tiny_model_factory):
+    return tiny_model_factory(request.param)
+
+
+def make(model_dir, backend="torch", **cfg):
+    cfg.setdefault("max_session_tokens", 512)
+    return load_engine(model_dir, EngineConfig(**cfg), dtype="float32", backend=backend, progress=None)
+
+
+class Store:
+    """Segment files in a directory, as the client's store would keep them."""
+
+    def __init__(self, path):
+        self.path = path
+        self.refs: list[SegmentRef] = []
+        self.tag: str | None = None
+
+    def save(self, engine, sid, *, incremental=True):
+        self.saved_id = sid
+        name = f"{secrets.token_hex(4)}.mxseg"
+        fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        tag = secrets.token_hex(8)
+        base = (self.tag, self.refs[-1].end) if incremental and self.refs else None
+        try:
+            out = engine.save_file(sid, fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
+        finally:
+            os.close(fd)
+        if out["start"] == out["position"]:
+            self.tag = tag
+            return out
+        ref = SegmentRef(name, out["start"], out["position"], out["file_length"], out["header_crc"])
+        self.refs = [*self.refs, ref] if out["start"] else [ref]
+        self.tag = tag
+        return out
+
+    def restore(self, engine, sid, refs=None, **kw):
+        refs = self.refs if refs is None else refs
+        fds = [os.open(self.path / r.name, os.O_RDONLY) for r in refs]
+        try:
+            return engine.restore_files(
+                sid,
+                fds,
+                refs,
+                tag=self.tag,
+                identity=kw.get("identity", IDENTITY),
+                max_bytes=kw.get("max_bytes", BIG),
+                saved_id=self.saved_id,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def turn(engine, sid, prompt, n=6, rid=[0]):  # noqa: B006 - a counter shared by every call
+    rid[0] += 1
+    engine.submit(rid[0], sid, prompt, greedy(n))
+    result = run(engine)[rid[0]][1]
+    return result["generated_token_ids"]
+
+
+def assert_same_state(a, sid_a, b, sid_b):
+    """Both sessions hold the same history and byte-identical KV rows."""
+    x, y = a.export_checkpoint(sid_a), b.export_checkpoint(sid_b)
+    assert x.token_ids.tolist() == y.token_ids.tolist()
+    for la, lb in zip(x.layers, y.layers):
+        assert la.start == lb.start
+        assert np.array_equal(la.keys, lb.keys) and np.array_equal(la.values, lb.values)
+
+
+def test_full_and_incremental_saves_restore_exactly(model_dir, backend, tmp_path):
+    live = make(model_dir, backend)
+    live.open_session("s")
+    store = Store(tmp_path)
+    history = prompt_ids(40, seed=1)
+    history += turn(live, "s", history)
+    first = store.save(live, "s")
+    assert first["start"] == 0 and first["position"] == len(history) - 1
+    history += prompt_ids(12, seed=2)
+    history += turn(live, "s", history)
+    second = store.save(live, "s")
+    # Only the new positions: from where the first save ended.
+    assert second["start"] == first["position"]
+    # 18 new positions: a full-attention layer writes 18 of its 63 rows, a ring layer of window 16
+    # at most its window (it held 16 after the first save too).
+    rings = any(w is not None for w in live.geometry()["windows"])
+    assert (
+        second["payload_bytes"] <= first["payload_bytes"]
+        if rings
+        else second["payload_bytes"] < first["payload_bytes"] / 2
+    )
+    assert len(store.refs) == 2
+    again = store.save(live, "s")  # nothing new: nothing written
+    assert again["payload_bytes"] == 0 and len(store.refs) == 2
+
+    other = make(model_dir, backend)
+    position = store.restore(other, "r")
+    assert position == len(history) - 1
+    assert_same_state(live, "s", other, "r")
+    nxt = history + prompt_ids(5, seed=3)
+    assert turn(other, "r", nxt) == turn(live, "s", nxt)
+
+
+def test_restored_session_saves_incrementally_on_its_restored_tag(model_dir, tmp_path):
+    live = make(model_dir)
+    live.open_session("s")
+    store = Store(tmp_path)
+    history = prompt_ids(30, seed=4)
+    history += turn(live, "s", history)
+    store.save(live, "s")
+    other = make(model_dir)  # as after a restart: the same session id in a new worker
+    store.restore(other, "s")
+    history += prompt_ids(8, seed=5)
+    history += turn(other, "s", history)
+    out = store.save(other, "s")
+    assert out["start"] > 0  # the restored rows are in the store already
+    third = make(model_dir)
+    store.restore(third, "s")
+    assert_same_state(other, "s", third, "s")
+
+
+def test_a_cut_history_or_another_base_saves_in_full(model_dir, tmp_path):
+    live = make(model_dir)
+    live.open_session("s")
+    store = Store(tmp_path)
+    history = prompt_ids(30, seed=6)
+    history += turn(live, "s", history)
+    store.save(live, "s")
+    # A new prompt that diverges at position 10 cuts the history below the saved rows.
+    turn(live, "s", history[:10] + prompt_ids(25, seed=7))
+    assert store.save(live, "s")["start"] == 0
+    # A base the session does not hold (another save's tag) also gets a full save.
+    store.tag = "someone-else"
+    turn(live, "s", live.session_tokens("s") + prompt_ids(3, seed=8))
+    assert store.save(live, "s")["start"] == 0
+    other = make(model_dir)
+    store.restore(other, "r")
+    assert_same_state(live, "s", other, "r")
+
+
+def test_damaged_or_foreign_segments_are_refused_and_publish_nothing(model_dir, tmp_path):
+    live = make(model_dir)
+    live.open_session("s")
+    store = Store(tmp_path)
+    history = prompt_ids(30, seed=9)
+    history += turn(live, "s", history)
+    store.save(live, "s")
+    other = make(model_dir, max_sessions=1)
+    path = tmp_path / store.refs[0].name
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40  # a byte of the last payload (the last layer's values)
+    path.write_bytes(data)
+    with pytest.raises(CheckpointCorrupt, match="checksum"):
+        store.restore(other, "r")
+    with pytest.raises(SessionNotFound):
+        other.session_tokens("r")
+    data[-100] ^= 0x40
+    path.write_bytes(data)
+    with pytest.raises(CheckpointCorrupt):  # the header checksum the manifest recorded differs
+        store.restore(other, "r", refs=[SegmentRef(path.name, 0, store.refs[0].end, len(data), 1)])
+    with pytest.raises(Exception, match="identity"):
+        store.restore(other, "r", identity="another-model")
+    with pytest.raises(CheckpointTooLarge):
+        store.restore(other, "r", max_bytes=1000)
+    # The one slot is still free and the session restores once the file is right.
+    store.restore(other, "r")
+    assert_same_state(live, "s", other, "r")
+
+
+def test_non_finite_rows_are_refused_and_the_slot_is_zeroed(tmp_path, tiny_model_factory):
+    model_dir = tiny_model_factory("llama")
+    live = make(model_dir)
+    live.open_session("s")
+    history = prompt_ids(20, seed=10)
+    turn(live, "s", history)
+    # Poison one row of the live cache, save it (the file's CRCs are then right), restore it.
+    layer = live.executor.cache.layers[0]
+    slot = live._session("s").slot
+    layer.k[slot, 0, 3, 0] = float("nan")
+    store = Store(tmp_path)
+    store.save(live, "s")
+    other = make(model_dir, max_sessions=1)
+    with pytest.raises(CheckpointRejected, match="NaN or infinite"):
+        store.restore(other, "r")
+    for cache in other.executor.cache.layers:
+        assert not cache.k.isnan().any() and not cache.k.any()
+
+
+def test_busy_empty_and_draft_sessions_are_unsaveable(tmp_path, tiny_model_factory):
+    model_dir = tiny_model_factory("llama")
+    engine = make(model_dir)
+    engine.open_session("s")
+    with pytest.raises(Unsaveable, match="empty"):
+        Store(tmp_path).save(engine, "s")
+    engine.submit(99, "s", prompt_ids(10), greedy(4))
+    with pytest.raises(Unsaveable, match="busy"):
+        Store(tmp_path).save(engine, "s")
+    run(engine)
