@@ -200,14 +200,17 @@ def _write_all(fd: int, buffers: Sequence[memoryview | bytes]) -> None:
     """writev every buffer completely (writev may write less than asked)."""
     pending = [memoryview(b) for b in buffers if len(b)]
     while pending:
-        batch = pending[:512]
-        n = os.writev(fd, batch)
-        while n:
-            if n >= pending[0].nbytes:
-                n -= pending.pop(0).nbytes
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        _advance(pending, os.writev(fd, pending[:512]))
+
+
+def _advance(pending: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of a list of views (what a short gather read or write moved)."""
+    while n:
+        if n >= pending[0].nbytes:
+            n -= pending.pop(0).nbytes
+        else:
+            pending[0] = pending[0][n:]
+            n = 0
 
 
 def _check_regular_or_absent(name: str, dir_fd: int | None) -> None:

@@ -41,6 +41,7 @@ from .file import (
     MAGIC,
     MAX_MANIFEST,
     TRAILER_MAGIC,
+    _advance,
     _align,
     _payload_table,
     _read_exact,
@@ -421,12 +422,7 @@ def read_payload(fd: int, header: SegmentHeader, index: int, views: Sequence[mem
         if n == 0:
             raise CheckpointCorrupt(f"{path!r} ends early at byte {offset + done}")
         done += n
-        while n:
-            if n >= pending[0].nbytes:
-                n -= pending.pop(0).nbytes
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        _advance(pending, n)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ Owner: the engine thread (these functions are called from Engine methods only).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -179,12 +178,9 @@ def restore_segments(
     row_bytes = d * storage.itemsize
     floor = 0
     staged: list[LayerState] = []
-    # The checks (CRC32C and finiteness of each layer's rows) run on a second thread while the next
-    # payload is read: the read is a copy in the kernel, the checks a pass over memory, and the
-    # native calls release the GIL, so on two cores they overlap. Nothing is published before every
-    # check has passed.
-    checks: list[Future[None]] = []
-    pool = ThreadPoolExecutor(1, thread_name_prefix="muxworker-restore-check")
+    # The checks (CRC32C and finiteness) run on this thread, after each payload's read. A second
+    # thread overlapping them with the next read measured no faster in the worker (its torch
+    # threads still spin on the other core after a forward pass) and sometimes slower.
     try:
         for i, window in enumerate(geometry["windows"]):
             keep = executor.cache.layers[i].keep(position) if executor.direct_kv_io else _keep(window, position)
@@ -217,22 +213,16 @@ def restore_segments(
                         read_payload(fd, h, h.payload_index(i, part), views, name)
                         reads.append((h, h.payload_index(i, part), views, name))
                 what = f"checkpoint layer {i} {('keys', 'values')[part]}"
-                checks.append(pool.submit(_check, reads, targets[part], storage, bf16, what))
+                _check(reads, targets[part], storage, bf16, what)
             if not executor.direct_kv_io:
                 k, v = (a.transpose(1, 0, 2) for a in arrays)
                 staged.append(LayerState(lo, np.ascontiguousarray(k), np.ascontiguousarray(v)))
-        for check in checks:
-            check.result()  # raises the first failed check's error
         if not executor.direct_kv_io:
             floor = executor.import_layers(slot, position, staged)
     except BaseException:
-        for check in checks:
-            check.cancel()
-        pool.shutdown(wait=True)  # no check still reads the slot once it is zeroed
         if executor.direct_kv_io:  # rows may have landed in the slot: none may reach attention
             executor.kv_zero_slot(slot)
         raise
-    pool.shutdown(wait=False)
     return tokens.tolist(), position, floor
 
 

@@ -87,6 +87,17 @@ class Store:
                 os.close(fd)
 
 
+def saved_session(model_dir, tmp_path, seed, n=30):
+    """An engine with session "s" after one turn on ``n`` prompt tokens, saved to a new Store."""
+    live = make(model_dir)
+    live.open_session("s")
+    store = Store(tmp_path)
+    history = prompt_ids(n, seed=seed)
+    history += turn(live, "s", history)
+    store.save(live, "s")
+    return live, store, history
+
+
 def turn(engine, sid, prompt, n=6, rid=[0]):  # noqa: B006 - a counter shared by every call
     rid[0] += 1
     engine.submit(rid[0], sid, prompt, greedy(n))
@@ -137,12 +148,7 @@ def test_full_and_incremental_saves_restore_exactly(model_dir, backend, tmp_path
 
 
 def test_restored_session_saves_incrementally_on_its_restored_tag(model_dir, tmp_path):
-    live = make(model_dir)
-    live.open_session("s")
-    store = Store(tmp_path)
-    history = prompt_ids(30, seed=4)
-    history += turn(live, "s", history)
-    store.save(live, "s")
+    live, store, history = saved_session(model_dir, tmp_path, seed=4)
     other = make(model_dir)  # as after a restart: the same session id in a new worker
     store.restore(other, "s")
     history += prompt_ids(8, seed=5)
@@ -155,12 +161,7 @@ def test_restored_session_saves_incrementally_on_its_restored_tag(model_dir, tmp
 
 
 def test_a_cut_history_or_another_base_saves_in_full(model_dir, tmp_path):
-    live = make(model_dir)
-    live.open_session("s")
-    store = Store(tmp_path)
-    history = prompt_ids(30, seed=6)
-    history += turn(live, "s", history)
-    store.save(live, "s")
+    live, store, history = saved_session(model_dir, tmp_path, seed=6)
     # A new prompt that diverges at position 10 cuts the history below the saved rows.
     turn(live, "s", history[:10] + prompt_ids(25, seed=7))
     assert store.save(live, "s")["start"] == 0
@@ -174,12 +175,7 @@ def test_a_cut_history_or_another_base_saves_in_full(model_dir, tmp_path):
 
 
 def test_damaged_or_foreign_segments_are_refused_and_publish_nothing(model_dir, tmp_path):
-    live = make(model_dir)
-    live.open_session("s")
-    store = Store(tmp_path)
-    history = prompt_ids(30, seed=9)
-    history += turn(live, "s", history)
-    store.save(live, "s")
+    live, store, history = saved_session(model_dir, tmp_path, seed=9)
     other = make(model_dir, max_sessions=1)
     path = tmp_path / store.refs[0].name
     data = bytearray(path.read_bytes())
