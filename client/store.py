@@ -63,10 +63,10 @@ from muxworker.transport.checkpoint.segments import (
     SegmentRef,
     SessionManifest,
     assemble_checkpoint,
-    byte_view,
     check_chain,
     encode_session_manifest,
     file_version,
+    head_major_bytes,
     read_payload_into,
     read_segment_header,
     read_session_manifest,
@@ -862,8 +862,8 @@ class SessionStore:
                         LayerRows(
                             state.start,
                             state.rows,
-                            [_head_major(state.keys)],
-                            [_head_major(state.values)],
+                            [head_major_bytes(state.keys)],
+                            [head_major_bytes(state.values)],
                         )
                     )
                 length, head_crc = write_segment(
@@ -1022,13 +1022,6 @@ class SessionStore:
                 f"the {what} was not made by the configuration the session store {str(self.path)!r} declares: "
                 + "; ".join(differences)
             )
-
-
-def _head_major(rows: Any) -> memoryview:
-    """[n, KV, D] host rows as the bytes of a head-major [KV, n, D] copy (what segments hold)."""
-    import numpy as np
-
-    return byte_view(np.ascontiguousarray(rows.transpose(1, 0, 2)))
 
 
 def _manifest_info(m: SessionManifest, manifest_bytes: int) -> SessionInfo:

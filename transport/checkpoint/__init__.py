@@ -28,7 +28,7 @@ from .errors import (
 )
 from .file import DEFAULT_MAX_BYTES, load_checkpoint, save_checkpoint
 from .identity import IdentityInputs, ModelFileFingerprint, checkpoint_identity, checkpoint_identity_inputs
-from .state import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype, required_rows
+from .state import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype, required_rows, retained_from
 
 __all__ = [
     # data model and codec (as before the package split)
@@ -44,6 +44,7 @@ __all__ = [
     "checkpoint_from_wire",
     "numpy_storage_dtype",
     "required_rows",
+    "retained_from",
     # file format
     "DEFAULT_MAX_BYTES",
     "save_checkpoint",

@@ -50,7 +50,7 @@ from .file import (
     fstat_regular,
 )
 from .identity import IdentityInputs
-from .state import CPUCheckpoint, LayerState, _check_format, _check_geometry, numpy_storage_dtype
+from .state import CPUCheckpoint, LayerState, _check_format, _check_geometry, numpy_storage_dtype, retained_from
 
 __all__ = [
     "SEGMENTED_VERSION",
@@ -60,6 +60,7 @@ __all__ = [
     "SessionManifest",
     "LayerRows",
     "byte_view",
+    "head_major_bytes",
     "file_version",
     "write_segment",
     "read_segment_header",
@@ -252,6 +253,12 @@ class LayerRows:
 def byte_view(array: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, as a flat memoryview of its own memory (no copy)."""
     return array.data.cast("B") if array.nbytes else memoryview(b"")
+
+
+def head_major_bytes(rows: np.ndarray) -> memoryview:
+    """Logical rows ``[n, KV, D]`` as the bytes of a head-major ``[KV, n, D]`` copy: a segment's
+    payload, for writers that hold host rows instead of a cache slot's views."""
+    return byte_view(np.ascontiguousarray(rows.transpose(1, 0, 2)))
 
 
 def _views_nbytes(views: Sequence[memoryview]) -> int:
@@ -573,7 +580,7 @@ def assemble_checkpoint(m: SessionManifest, segments: Sequence[tuple[int, Segmen
         read_payload_into(fd, h, 0, [byte_view(tokens[h.start : h.end])], path)
     layers = []
     for i, window in enumerate(m.geometry["windows"]):
-        keep = 0 if window is None else max(0, m.position - window)
+        keep = retained_from(window, m.position)
         lo = layer_import_range(headers, i, keep, m.position)
         parts = []
         for part in (0, 1):

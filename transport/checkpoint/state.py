@@ -29,6 +29,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "numpy_storage_dtype",
     "required_rows",
+    "retained_from",
 ]
 
 #: Version of the logical KV layout in ``format["layout_version"]``.
@@ -64,6 +65,13 @@ def required_rows(window: int | None, position: int) -> tuple[int, int]:
     if window is None:
         return 0, position
     return max(0, position - (window - 1)), position
+
+
+def retained_from(window: int | None, position: int) -> int:
+    """First position a layer still holds at ``position``: 0 with full attention, the last
+    ``window`` positions for a sliding-window ring (one more than continuing needs, so a slot can
+    also truncate to ``position - 1``, the exact retry). What an export writes and a restore claims."""
+    return 0 if window is None else max(0, position - window)
 
 
 @dataclass(eq=False)  # == on numpy fields is ambiguous; compare arrays explicitly

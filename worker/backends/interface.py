@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from muxworker.transport.checkpoint import LayerState, required_rows
+from muxworker.transport.checkpoint import LayerState, required_rows, retained_from
 
 if TYPE_CHECKING:
     import torch
@@ -149,7 +149,7 @@ class RingRetention:
         """First position a slot of length ``position`` claims to retain (``retained``'s lo): what
         an export at ``position`` writes, so that a restored slot holds every row it claims and can
         still truncate to ``position - 1`` (the exact retry)."""
-        return max(0, position - self.window)
+        return retained_from(self.window, position)
 
 
 def _held_from(layer, length: int, floor: int) -> int:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from muxworker.native import all_finite
-from muxworker.transport.checkpoint import CheckpointRetentionError, LayerState, numpy_storage_dtype
+from muxworker.transport.checkpoint import CheckpointRetentionError, LayerState, numpy_storage_dtype, retained_from
 from muxworker.transport.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointIncompatible,
@@ -37,6 +37,7 @@ from muxworker.transport.checkpoint.segments import (
     SegmentRef,
     byte_view,
     check_payload,
+    head_major_bytes,
     layer_import_range,
     read_payload,
     read_payload_into,
@@ -50,11 +51,6 @@ if TYPE_CHECKING:
     from .state import Session
 
 __all__ = ["save_segment", "restore_segments"]
-
-
-def _head_major(rows: np.ndarray) -> list[memoryview]:
-    """[n, KV, D] host rows as the bytes of a head-major [KV, n, D] copy."""
-    return [byte_view(np.ascontiguousarray(rows.transpose(1, 0, 2)))]
 
 
 def save_segment(
@@ -98,7 +94,9 @@ def save_segment(
             held.append(state.start)
             lo = max(state.start, start)
             a = lo - state.start
-            layers.append(LayerRows(lo, position - lo, _head_major(state.keys[a:]), _head_major(state.values[a:])))
+            layers.append(
+                LayerRows(lo, position - lo, [head_major_bytes(state.keys[a:])], [head_major_bytes(state.values[a:])])
+            )
     nbytes = sum(sum(v.nbytes for v in layer.keys) * 2 for layer in layers)
     # The bound is on the saved session, all of its segments: what a full save would write.
     row_bytes = 2 * geometry["num_kv_heads"] * geometry["head_dim"] * storage.itemsize
@@ -183,7 +181,7 @@ def restore_segments(
     # threads still spin on the other core after a forward pass) and sometimes slower.
     try:
         for i, window in enumerate(geometry["windows"]):
-            keep = executor.cache.layers[i].keep(position) if executor.direct_kv_io else _keep(window, position)
+            keep = retained_from(window, position)
             lo = layer_import_range(headers, i, keep, position)
             needed_lo = 0 if window is None else max(0, position - (window - 1))
             if lo > needed_lo:
@@ -238,10 +236,6 @@ def _check(
         check_payload(header, index, views, name)
     if not all(all_finite(np.frombuffer(v, dtype=storage), bfloat16=bf16) for v in rows):
         raise CheckpointRejected(f"{what} hold NaN or infinite values")
-
-
-def _keep(window: int | None, position: int) -> int:
-    return 0 if window is None else max(0, position - window)
 
 
 def _payload_targets(
