@@ -351,6 +351,7 @@ class MultiplexedWorkerClient:
         hold this trio thread for seconds).
         """
         session_id, fields = params_to_wire(params)
+        salt = fields.pop("cache_salt", None)  # not a sampling field
         _check_session_id(session_id)
         room = self.info.limits.get("max_session_tokens") if self.info is not None else None
         given = _given_token_count(prompt)
@@ -364,7 +365,7 @@ class MultiplexedWorkerClient:
         connection = self._conn
         request = connection.submit(
             "generate",
-            GenerateRequest(session_id, segments, fields).fields(),
+            GenerateRequest(session_id, segments, fields, cache_salt=salt).fields(),
             payloads,
             expect="done",
             buffer=self._stream_buffer,

@@ -35,10 +35,10 @@ __all__ = [
 
 @dataclass
 class GenerationParams:
-    """Sampling parameters of one generation. Any object with these attributes works as well
-    (``types.SimpleNamespace(session_id=..., max_new_tokens=...)``); missing ones take these defaults,
-    which are the worker's own (both come from transport/sampling.py, where the ranges and the
-    meaning of each field are documented)."""
+    """Sampling parameters of one generation, and its prefix-cache salt. Any object with these
+    attributes works as well (``types.SimpleNamespace(session_id=..., max_new_tokens=...)``); missing
+    ones take these defaults, which are the worker's own (the sampling ones come from
+    transport/sampling.py, where the ranges and the meaning of each field are documented)."""
 
     session_id: str
     max_new_tokens: int = _D.max_new_tokens
@@ -52,6 +52,9 @@ class GenerationParams:
     seed: int | None = _D.seed
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] | None = _D.stop_token_ids  # None: the model's EOS tokens
+    # Not a sampling field: scopes prefix-cache reuse to requests with the same salt (a tenant's
+    # name); None is the shared namespace.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +139,11 @@ def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
                 raise InvalidArgument(f"stop_token_ids must be a list of int or None, got {ids!r:.200}")
             ids = [_int("stop_token_ids", t) for t in ids]
         fields["stop_token_ids"] = ids
+    salt = getattr(params, "cache_salt", None)
+    if salt is not None:
+        if not isinstance(salt, str):
+            raise InvalidArgument(f"cache_salt must be a str or None, got {salt!r:.200}")
+        fields["cache_salt"] = salt
     return session_id, fields
 
 

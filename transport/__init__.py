@@ -46,6 +46,7 @@ from .framing import (
 )
 from .messages import RESULT_FIELDS, GenerateRequest, GenerationResult, ModelInfo, WorkerInfo
 from .schema import (
+    MAX_CACHE_SALT_BYTES,
     MAX_REQUEST_ID,
     MAX_SESSION_ID_BYTES,
     MESSAGES,
@@ -119,6 +120,7 @@ __all__ = [
     "MESSAGES",
     "MAX_REQUEST_ID",
     "MAX_SESSION_ID_BYTES",
+    "MAX_CACHE_SALT_BYTES",
     "validate",
     "check_hello",
     "hello_control",

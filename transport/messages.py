@@ -7,6 +7,7 @@ each one names exactly the fields its schema entry has:
 - :class:`GenerateRequest`: the ``generate`` request. Its sampling fields are
   :class:`~.sampling.SamplingFields` (names, defaults and ranges defined there, once); the worker's
   ``SamplingParams`` is that class and the client's ``GenerationParams`` takes its defaults from it.
+  Its ``cache_salt`` is not a sampling field: it scopes the worker's prefix cache.
 - :class:`GenerationResult`: the ``result`` map of a ``done`` reply; :data:`RESULT_FIELDS` lists
   every field the worker's engine sends (a worker test checks the engine against it).
 - :class:`WorkerInfo` and :class:`ModelInfo`: the worker's ``hello`` (its protocol version, model,
@@ -42,6 +43,9 @@ class GenerateRequest:
     session_id: str
     prompt: Sequence[Mapping[str, Any]]  # segments: {"text": str, "special"?: bool} or {"tokens": ref}
     sampling: Mapping[str, Any] = field(default_factory=dict)  # a subset of SamplingFields' fields
+    # The prefix-cache namespace: only requests with the same salt reuse each other's prompts
+    # (None: the shared, unsalted namespace). Sent only when set.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.sampling) - set(SAMPLING_FIELD_NAMES)
@@ -50,7 +54,10 @@ class GenerateRequest:
 
     def fields(self) -> dict[str, Any]:
         """The request's fields of the control map (``kind`` and ``id`` are the connection's)."""
-        return {"session_id": self.session_id, "prompt": list(self.prompt), **self.sampling}
+        fields = {"session_id": self.session_id, "prompt": list(self.prompt), **self.sampling}
+        if self.cache_salt is not None:
+            fields["cache_salt"] = self.cache_salt
+        return fields
 
     def sampling_fields(self) -> SamplingFields:
         """The sampling parameters as the worker will apply them (defaults filled in, validated)."""

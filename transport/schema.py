@@ -29,6 +29,7 @@ from .fdpass import MAX_PASSED_FDS
 from .framing import DTYPES, PROTOCOL_VERSION, _byte_view, payload_nbytes
 
 __all__ = [
+    "MAX_CACHE_SALT_BYTES",
     "MAX_REQUEST_ID",
     "MAX_SESSION_ID_BYTES",
     "MESSAGES",
@@ -45,6 +46,7 @@ Sender = Literal["client", "worker"]
 
 MAX_REQUEST_ID = 2**63 - 1
 MAX_SESSION_ID_BYTES = 1024
+MAX_CACHE_SALT_BYTES = 256
 _I64_MAX = 2**63 - 1
 _U64_MAX = 2**64 - 1
 _U32_MAX = 2**32 - 1
@@ -334,6 +336,7 @@ READINESS = ("pending", "ready", "failed")
 REQUEST_ID = Int(1, MAX_REQUEST_ID, label="request id")
 ANY_ID = Int(0, MAX_REQUEST_ID, label="request id or 0")
 SESSION_ID = Str(nonempty=True, max_bytes=MAX_SESSION_ID_BYTES, label="session id")
+CACHE_SALT = Str(nonempty=True, max_bytes=MAX_CACHE_SALT_BYTES)
 TOKEN_ID = Int(0, _TOKEN_ID_MAX, label="token id")
 TOKENS = PayloadRef(dtypes=("int32", "int64", "uint32"), ndim=1, label="payload-ref")
 POSITION = Int(0, _I64_MAX)
@@ -376,9 +379,9 @@ MESSAGES: dict[str, MessageSpec] = {
         "the longest prefix of them that the session's cache still retains is reused and the rest "
         "prefilled. Replies: token*, then done (or error).",
         {"session_id": SESSION_ID, "prompt": ListOf(SEGMENT)},
-        # Exactly the fields of transport/sampling.py's SamplingFields, in order; the required ones
-        # are messages.GenerateRequest's (tests/transport/test_messages.py checks both). Their
-        # ranges are checked there, by the worker.
+        # The fields of transport/sampling.py's SamplingFields, in order (their ranges are checked
+        # there, by the worker), then cache_salt; the required ones and cache_salt are
+        # messages.GenerateRequest's (tests/transport/test_messages.py checks both).
         {
             "max_new_tokens": Int(-1, _I64_MAX),  # -1: the rest of the session's context
             "temperature": Number(),
@@ -391,6 +394,8 @@ MESSAGES: dict[str, MessageSpec] = {
             "seed": Nullable(Int(0, _U64_MAX)),
             "stop": ListOf(Str()),
             "stop_token_ids": Nullable(ListOf(TOKEN_ID)),
+            # Not a sampling field: the prefix-cache namespace of the request (docs/PROTOCOL.md).
+            "cache_salt": CACHE_SALT,
         },
     ),
     "cancel": _client(

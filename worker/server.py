@@ -420,7 +420,7 @@ class WorkerServer:
             else:
                 prompt.append(payload_array(frame, segment["tokens"]).tolist())
         params = SamplingParams.from_wire(control)
-        self._engine.submit(rid, control["session_id"], prompt, params)
+        self._engine.submit(rid, control["session_id"], prompt, params, cache_salt=control.get("cache_salt"))
 
     def _cancel(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         # The target ends with its own done (finish_reason "cancelled"); an unknown id is a no-op

@@ -18,10 +18,15 @@ def _names(cls) -> set[str]:
 
 def test_generate_entry_is_the_request_dataclass_and_the_sampling_fields():
     spec = MESSAGES["generate"]
-    request_fields = _names(GenerateRequest) - {"sampling"}
-    assert set(spec.required) == {"id"} | request_fields
-    assert list(spec.optional) == list(SAMPLING_FIELD_NAMES)  # same fields, same order
+    fields = [f for f in dataclasses.fields(GenerateRequest) if f.name != "sampling"]
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    extra = [f.name for f in fields if f.name not in required]  # optional fields that are not sampling ones
+    assert set(spec.required) == {"id"} | required
+    assert extra == ["cache_salt"]
+    # The sampling fields in their order, then the request's own optional fields.
+    assert list(spec.optional) == [*SAMPLING_FIELD_NAMES, *extra]
     assert SAMPLING_FIELD_NAMES == tuple(f.name for f in dataclasses.fields(SamplingFields))
+    assert not set(extra) & set(SAMPLING_FIELD_NAMES)  # cache_salt is not a sampling field
 
 
 def test_a_generate_request_builds_a_valid_control_map():
@@ -33,6 +38,17 @@ def test_a_generate_request_builds_a_valid_control_map():
     assert params.max_new_tokens == SamplingFields().max_new_tokens  # the default, defined once
     with pytest.raises(ValueError, match="not sampling fields"):
         GenerateRequest("s", [], {"temprature": 0.5})
+    with pytest.raises(ValueError, match="not sampling fields"):
+        GenerateRequest("s", [], {"cache_salt": "t"})  # its own field, not a sampling one
+
+
+def test_a_generate_request_sends_cache_salt_only_when_set():
+    assert "cache_salt" not in GenerateRequest("s", [{"text": "hi"}]).fields()
+    request = GenerateRequest("s", [{"text": "hi"}], {"temperature": 0.5}, cache_salt="tenant-1")
+    control = {"kind": "generate", "id": 7, **request.fields()}
+    assert control["cache_salt"] == "tenant-1"
+    validate(control, sender="client")
+    assert request.sampling_fields() == SamplingFields(temperature=0.5)
 
 
 def test_hello_entry_is_the_worker_info_dataclass():

@@ -67,6 +67,7 @@ def _examples() -> dict[str, tuple[dict, list]]:
             "seed": 1234,
             "stop": ["\n\n"],
             "stop_token_ids": [2],
+            "cache_salt": "tenant-1",
         },
         p,
     )
@@ -172,7 +173,8 @@ def wrong_values(spec: Spec) -> list[object]:
     if isinstance(spec, Bool):
         return [1, 0, "true", None]
     if isinstance(spec, Str):
-        return [1, b"bytes", None, ["x"]] + ([""] if spec.nonempty else [])
+        too_long = ["x" * (spec.max_bytes + 1)] if spec.max_bytes is not None else []
+        return [1, b"bytes", None, ["x"]] + ([""] if spec.nonempty else []) + too_long
     if isinstance(spec, OneOfStr):
         return ["no-such-value", 1, None, ["x"]]
     if isinstance(spec, ListOf):
@@ -338,6 +340,31 @@ def test_session_ids(sid, ok):
         validate(control, sender="client")
     else:
         with pytest.raises(InvalidArgument, match="field session_id must be non-empty str of at most 1024 UTF-8 bytes"):
+            validate(control, sender="client")
+
+
+@pytest.mark.parametrize(
+    "salt, ok",
+    [
+        ("t", True),
+        ("a" * 256, True),
+        ("é" * 128, True),  # 256 UTF-8 bytes
+        ("a" * 257, False),
+        ("é" * 129, False),  # 129 characters but 258 bytes
+        ("", False),
+        (7, False),
+        (b"tenant", False),
+        (["t"], False),
+    ],
+)
+def test_cache_salts(salt, ok):
+    control = {"kind": "generate", "id": 1, "session_id": "s", "prompt": [{"text": "hi"}], "cache_salt": salt}
+    if ok:
+        validate(control, sender="client")
+    else:
+        with pytest.raises(
+            InvalidArgument, match="generate: field cache_salt must be non-empty str of at most 256 UTF-8 bytes"
+        ):
             validate(control, sender="client")
 
 

@@ -29,6 +29,11 @@ of a restored slot may hold fewer than the W rows its length suggests. The sessi
 first position every ring layer really holds, and every retention question (truncating, exporting,
 the prefix cache) takes it into account, so nothing ever attends to a row that was not imported.
 
+Prefix-cache scoping (``cache_salt``, prefix_cache.py): a request matches and seeds only entries of
+its own salt, and a closed session files its history under the salt of its latest request; a
+restored session that has served no request since its restore files nothing. A session's reuse of
+its own history is not scoped: that history is its own state, whatever salt its next request names.
+
 Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULATIVE.md):
 - The draft has its own KV cache with the same slots and, per session, its own length
   ``draft_len`` <= ``kv_len``. Committed tokens tokens[draft_len:kv_len] are *pending*: the draft
@@ -67,7 +72,7 @@ from muxworker.transport.errors import (
     Unsaveable,
 )
 from muxworker.transport.prompt import SpecialText
-from muxworker.transport.schema import MAX_SESSION_ID_BYTES
+from muxworker.transport.schema import MAX_CACHE_SALT_BYTES, MAX_SESSION_ID_BYTES
 from muxworker.worker.backends.interface import Executor, geometry
 from muxworker.worker.engine import checkpoint_files, output
 from muxworker.worker.engine.config import EngineConfig
@@ -233,8 +238,10 @@ class Engine:
         s = self._session(sid)
         if s.request is not None:
             self._finish(s.request, "cancelled")
-        # A closed session's history becomes a prefix-cache entry (when the cache is on).
-        self.prefix_cache.insert(s.slot, s.tokens[: s.kv_len], s.kv_floor)
+        # A closed session's history becomes a prefix-cache entry (when the cache is on), under the
+        # salt of its latest request; a restored session that served none has no salt to file it under.
+        if s.salt_known:
+            self.prefix_cache.insert(s.slot, s.tokens[: s.kv_len], s.kv_floor, s.cache_salt)
         del self._sessions[sid]
         self._free_slots.append(s.slot)
 
@@ -287,14 +294,36 @@ class Engine:
         return ids
 
     def _reusable_prefix(self, s: Session, prompt: list[int]) -> int:
-        """Rows of the session's cache the prompt can keep (at most len(prompt) - 1)."""
+        """Rows of the session's cache the prompt can keep (at most len(prompt) - 1). Not scoped by
+        cache_salt: the session's history is its own state, unlike the shared prefix cache."""
         common = common_prefix(s.tokens, prompt, min(s.kv_len, len(prompt) - 1))
         if common and not self.cache.can_truncate(s.kv_len, common, s.kv_floor):
             return 0
         return common
 
-    def submit(self, request_id: int, sid: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Accept a generation or raise; results come from later ``step`` calls."""
+    @staticmethod
+    def _check_cache_salt(salt: object) -> str | None:
+        if salt is None:
+            return None
+        if not isinstance(salt, str) or not salt:
+            raise InvalidArgument(f"cache_salt must be a non-empty string or None, got {salt!r:.80}")
+        if len(salt.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise InvalidArgument(f"cache_salt is longer than {MAX_CACHE_SALT_BYTES} UTF-8 bytes")
+        return salt
+
+    def submit(
+        self,
+        request_id: int,
+        sid: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Accept a generation or raise; results come from later ``step`` calls.
+
+        ``cache_salt``: the prefix-cache namespace of the request (module docstring); None is the
+        shared one. It never limits the session's reuse of its own history."""
         self._check_ready()
         if not isinstance(request_id, int) or not 0 < request_id < 2**63:
             raise InvalidArgument(f"request id must be a positive 64-bit integer, got {request_id!r}")
@@ -304,6 +333,7 @@ class Engine:
         if s.request is not None:
             raise SessionBusy(f"session {sid!r} is already generating (request {s.request.rid})")
         params.validate(self.vocab_size)
+        cache_salt = self._check_cache_salt(cache_salt)
         if len(self._requests) >= self.config.max_inflight_requests:
             raise CapacityExhausted(
                 f"{len(self._requests)} requests are in flight (max_inflight_requests={self.config.max_inflight_requests})"
@@ -331,7 +361,7 @@ class Engine:
         reused = self._reusable_prefix(s, ids)
         floor = s.kv_floor if reused else 0
         s.keep_rows(reused)
-        hit = self.prefix_cache.match(ids, len(ids) - 1)
+        hit = self.prefix_cache.match(ids, len(ids) - 1, cache_salt)
         if hit is not None and hit[1] > reused:
             floor = self.prefix_cache.copy_into(hit[0], s.slot, hit[1])
             reused = hit[1]
@@ -348,6 +378,7 @@ class Engine:
             reused=reused,
             t_submit=time.perf_counter(),
             fresh=fresh,
+            cache_salt=cache_salt,
             penalties=Penalties(params, ids, self.vocab_size) if params.penalized else None,
         )
         if self.proposer is not None:
@@ -356,6 +387,7 @@ class Engine:
         s.tokens = list(ids)
         s.kv_len = reused
         s.kv_floor = floor
+        s.cache_salt, s.salt_known = cache_salt, True
         s.request = req
         s.unsaveable = "busy"
         self._requests[request_id] = req
@@ -492,7 +524,7 @@ class Engine:
             if self.proposer is not None:
                 r.session.draft_len = r.session.kv_len  # propose() fed the draft the same chunk
             if r.fresh and r.session.kv_len == len(r.prompt):
-                self.prefix_cache.insert(r.session.slot, r.prompt, r.session.kv_floor)
+                self.prefix_cache.insert(r.session.slot, r.prompt, r.session.kv_floor, r.cache_salt)
         row = 0
         for r in batch.sampled:
             decoding = r.phase is Phase.DECODE
@@ -637,7 +669,16 @@ class Engine:
             draft_floor = draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
         self._free_slots.pop()
         self._sessions[sid] = Session(
-            sid, slot, ids.tolist(), position, None, None, draft_len, kv_floor=floor, draft_floor=draft_floor
+            sid,
+            slot,
+            ids.tolist(),
+            position,
+            None,
+            None,
+            draft_len,
+            kv_floor=floor,
+            draft_floor=draft_floor,
+            salt_known=False,
         )
 
     # ----------------------------------------------------------------- checkpoint files
@@ -693,7 +734,9 @@ class Engine:
             max_bytes=max_bytes,
         )
         self._free_slots.pop()
-        self._sessions[sid] = Session(sid, slot, ids, position, None, None, 0, kv_floor=floor, durable=(tag, position))
+        self._sessions[sid] = Session(
+            sid, slot, ids, position, None, None, 0, kv_floor=floor, durable=(tag, position), salt_known=False
+        )
         return position
 
     # ----------------------------------------------------------------- shutdown

@@ -6,6 +6,11 @@ its own slot, so only the rest is prefilled. Entries are copies: writing into a 
 changes an entry. A sliding-window layer only offers what its ring still holds (the same retention
 rule as truncating a session).
 
+Entries are scoped by a salt (a request's ``cache_salt``, vLLM's name): an entry made under one salt
+is only ever matched by requests with the same salt, and ``None`` (no salt) is a namespace of its
+own, so one tenant's prompt is never reused for another tenant's request, nor shows through that
+request's ``reused_prompt_tokens``. The same tokens may be held twice, once per salt.
+
 Owner: the engine thread.
 """
 
@@ -25,6 +30,7 @@ class _Entry:
     slot: int
     tokens: np.ndarray  # int64 [length]
     floor: int = 0  # the first position its ring layers hold (an entry made from a restored session)
+    salt: str | None = None  # only requests with this cache_salt see it
 
 
 class PrefixCache:
@@ -43,27 +49,29 @@ class PrefixCache:
         """Token sequences of the entries, least recently used first (for tests and stats)."""
         return [e.tokens.tolist() for e in self._entries.values()]
 
-    def entry_slot(self, tokens: Sequence[int]) -> int | None:
-        """The cache slot holding exactly ``tokens``, if an entry does."""
+    def entry_slot(self, tokens: Sequence[int], salt: str | None = None) -> int | None:
+        """The cache slot holding exactly ``tokens`` under ``salt``, if an entry does."""
         arr = np.asarray(tokens, dtype=np.int64)
         for slot, e in self._entries.items():
-            if np.array_equal(e.tokens, arr):
+            if e.salt == salt and np.array_equal(e.tokens, arr):
                 return slot
         return None
 
-    def insert(self, src_slot: int, tokens: Sequence[int], floor: int = 0) -> None:
+    def insert(self, src_slot: int, tokens: Sequence[int], floor: int = 0, salt: str | None = None) -> None:
         """Snapshot ``tokens`` (whose KV is in rows [0, len) of ``src_slot``, ring layers from
-        ``floor`` on) as an entry."""
+        ``floor`` on) as an entry under ``salt``."""
         if self.capacity == 0 or len(tokens) < MIN_MATCH:
             return
         arr = np.asarray(tokens, dtype=np.int64)
+        # Only entries of the same salt cover or are superseded by the new one: another salt's
+        # entry of the same tokens is invisible to this salt's requests.
         for slot, e in self._entries.items():
-            if len(e.tokens) >= len(arr) and np.array_equal(e.tokens[: len(arr)], arr):
+            if e.salt == salt and len(e.tokens) >= len(arr) and np.array_equal(e.tokens[: len(arr)], arr):
                 self._entries.move_to_end(slot)  # already covered: just touch it
                 return
         # An entry that is a prefix of the new one is superseded by it.
         for slot, e in list(self._entries.items()):
-            if len(e.tokens) < len(arr) and np.array_equal(arr[: len(e.tokens)], e.tokens):
+            if e.salt == salt and len(e.tokens) < len(arr) and np.array_equal(arr[: len(e.tokens)], e.tokens):
                 del self._entries[slot]
                 self._free.append(slot)
         if not self._free:
@@ -71,15 +79,18 @@ class PrefixCache:
             self._free.append(slot)
         slot = self._free.pop()
         self.cache.copy_slot(src_slot, slot, len(arr))
-        self._entries[slot] = _Entry(slot, arr, floor)
+        self._entries[slot] = _Entry(slot, arr, floor, salt)
 
-    def match(self, prompt: Sequence[int], limit: int) -> tuple[int, int] | None:
-        """The best (entry slot, usable length <= limit) for ``prompt``, or None."""
+    def match(self, prompt: Sequence[int], limit: int, salt: str | None = None) -> tuple[int, int] | None:
+        """The best (entry slot, usable length <= limit) for ``prompt`` among the entries made
+        under ``salt`` (None matches only unsalted entries), or None."""
         if not self._entries or limit < MIN_MATCH:
             return None
         p = np.asarray(prompt[:limit], dtype=np.int64)
         best: tuple[int, int] | None = None
         for slot, e in self._entries.items():
+            if e.salt != salt:
+                continue
             n = min(len(e.tokens), len(p))
             diff = np.flatnonzero(e.tokens[:n] != p[:n])
             m = int(diff[0]) if diff.size else n

@@ -65,6 +65,12 @@ class Session:
     # save on top of that tag writes only the rows after them (checkpoint_files.py). Set by a save
     # or a restore through files; dropped when the history is cut below ``rows``.
     durable: tuple[str, int] | None = None
+    # The cache_salt of the session's latest request: closing the session files its history as a
+    # prefix-cache entry under it. A restored session has no known salt (salt_known False) until
+    # its first request, and closing it before then adds no entry: a restored history enters no
+    # namespace, the shared one included, until a request names one.
+    cache_salt: str | None = None
+    salt_known: bool = True
 
     def forget(self) -> None:
         """Empty the history: nothing of the slot is reused any more."""
@@ -97,6 +103,7 @@ class Request:
     t_first_token: float | None = None
     finished: bool = False
     fresh: bool = False  # the session had no history: its prefilled prompt may seed the prefix cache
+    cache_salt: str | None = None  # the prefix-cache namespace this request matches and seeds
     draft_proposed: int = 0  # tokens the draft proposed for this request
     draft_accepted: int = 0  # of those, tokens the target accepted and the session committed
     penalties: Penalties | None = None  # only when a penalty is on

@@ -160,6 +160,19 @@ def test_restored_session_saves_incrementally_on_its_restored_tag(model_dir, tmp
     assert_same_state(other, "s", third, "s")
 
 
+def test_a_session_restored_from_files_enters_the_prefix_cache_only_after_a_request(model_dir, tmp_path):
+    live, store, history = saved_session(model_dir, tmp_path, seed=9)
+    other = make(model_dir, prefix_cache_entries=1)
+    store.restore(other, "r")
+    other.close_session("r")  # no request named its prefix-cache namespace since the restore
+    assert len(other.prefix_cache) == 0
+    store.restore(other, "r")
+    history += prompt_ids(3, seed=10)
+    history += turn(other, "r", history, n=1)
+    other.close_session("r")
+    assert other.prefix_cache.entries() == [history[:-1]]
+
+
 def test_a_cut_history_or_another_base_saves_in_full(model_dir, tmp_path):
     live, store, history = saved_session(model_dir, tmp_path, seed=6)
     # A new prompt that diverges at position 10 cuts the history below the saved rows.

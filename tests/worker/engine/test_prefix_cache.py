@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers.engine import greedy, prompt_ids, run
 
+from muxworker.transport.errors import InvalidArgument
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams
@@ -109,3 +111,90 @@ def test_entries_are_isolated_from_sessions(tiny_llama_dir):
     eng.submit(3, "a", p + prompt_ids(5, 11), SamplingParams(max_new_tokens=5, stop_token_ids=[]))
     run(eng)
     assert torch.equal(layer.k[entry_slot, :, :30], before)
+
+
+# --- cache_salt: entries are scoped by the request's salt ----------------------------------------
+
+
+def test_only_requests_with_the_same_salt_reuse_an_entry(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=4)
+    system = prompt_ids(60, 12)
+    eng.open_session("a0")
+    eng.submit(1, "a0", system + prompt_ids(5, 13), greedy(2), cache_salt="a")
+    assert run(eng)[1][1]["reused_prompt_tokens"] == 0
+    for rid, salt in ((2, "b"), (3, None)):  # another tenant, and the shared namespace: nothing reused
+        eng.open_session(f"s{rid}")
+        eng.submit(rid, f"s{rid}", system + prompt_ids(5, 14), greedy(2), cache_salt=salt)
+        res = run(eng)[rid][1]
+        assert (res["reused_prompt_tokens"], res["prefilled_prompt_tokens"]) == (0, 65)
+    eng.open_session("a1")
+    eng.submit(4, "a1", system + prompt_ids(5, 15), greedy(2), cache_salt="a")
+    res = run(eng)[4][1]
+    assert (res["reused_prompt_tokens"], res["prefilled_prompt_tokens"]) == (60, 5)
+    # The same tokens are held once per salt; covering and superseding stay within a salt.
+    assert eng.prefix_cache.entry_slot(system + prompt_ids(5, 13), salt="a") is not None
+    assert eng.prefix_cache.entry_slot(system + prompt_ids(5, 14), salt="b") is not None
+    assert eng.prefix_cache.entry_slot(system + prompt_ids(5, 14)) is not None
+    assert eng.prefix_cache.entry_slot(system + prompt_ids(5, 14), salt="a") is None
+    assert eng.prefix_cache.hits == 1
+
+
+def test_a_salted_entry_is_not_covered_by_another_salts_entry(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=2)
+    p = prompt_ids(30, 16)
+    eng.open_session("x")
+    eng.submit(1, "x", p + [7, 8], greedy(2))
+    run(eng)
+    eng.open_session("y")
+    eng.submit(2, "y", p, greedy(2), cache_salt="t")  # a prefix of the unsalted entry, yet new to "t"
+    assert run(eng)[2][1]["reused_prompt_tokens"] == 0
+    assert eng.prefix_cache.entries() == [p + [7, 8], p]
+    assert eng.prefix_cache.entry_slot(p, salt="t") is not None
+
+
+def test_a_closed_session_is_filed_under_its_latest_requests_salt(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=4)
+    eng.open_session("s")
+    eng.submit(1, "s", prompt_ids(20, 17), greedy(2), cache_salt="old")
+    run(eng)
+    prompt = eng.session_tokens("s") + prompt_ids(6, 18)
+    eng.submit(2, "s", prompt, greedy(3), cache_salt="t")
+    res = run(eng)[2][1]
+    assert res["reused_prompt_tokens"] == 21  # its own history, whatever the salt
+    hist = eng.session_tokens("s")[:-1]
+    eng.close_session("s")
+    assert eng.prefix_cache.entry_slot(hist, salt="t") is not None
+    assert eng.prefix_cache.entry_slot(hist, salt="old") is None and eng.prefix_cache.entry_slot(hist) is None
+    for rid, salt, reused in ((3, None, 0), (4, "old", 20), (5, "t", len(hist))):
+        eng.open_session(f"n{rid}")
+        eng.submit(rid, f"n{rid}", hist + [9], greedy(1), cache_salt=salt)
+        assert run(eng)[rid][1]["reused_prompt_tokens"] == reused, salt
+
+
+def test_a_restored_session_that_ran_no_request_adds_no_entry(tiny_llama_dir):
+    eng = make(tiny_llama_dir, prefix_cache_entries=2)
+    eng.open_session("s")
+    eng.submit(1, "s", prompt_ids(40, 19), greedy(2), cache_salt="secret")
+    run(eng)
+    ck = eng.export_checkpoint("s")  # "s" stays open: only its prompt is an entry, under "secret"
+    before = eng.prefix_cache.entries()
+    eng.restore_checkpoint("r", ck)
+    eng.close_session("r")  # whose salt was it? Unknown: its history enters no namespace
+    assert eng.prefix_cache.entries() == before
+    # Once a request names the namespace (here the shared one), closing files the session there.
+    eng.restore_checkpoint("r", ck)
+    history = ck.token_ids.tolist()
+    eng.submit(2, "r", history + [5], greedy(1))
+    assert run(eng)[2][1]["reused_prompt_tokens"] == len(history)  # its own restored rows
+    assert eng.prefix_cache.entries() == before  # not fresh: its prompt seeds nothing
+    eng.close_session("r")
+    assert eng.prefix_cache.entry_slot(history + [5]) is not None
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"t", "x" * 257])
+def test_submit_rejects_a_bad_salt_and_leaves_the_session_as_it_was(tiny_llama_dir, salt):
+    eng = make(tiny_llama_dir, prefix_cache_entries=1)
+    eng.open_session("s")
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        eng.submit(1, "s", prompt_ids(5, 20), greedy(1), cache_salt=salt)
+    assert eng.inflight == 0 and eng.session_tokens("s") == []

@@ -133,10 +133,13 @@ def test_re_export_of_a_partial_restore_claims_only_what_it_holds(mistral, saved
 def test_prefix_cache_entry_from_a_restored_session_is_exact(mistral, saved, backend):
     eng = make(mistral, prefix_cache_entries=1)
     eng.restore_checkpoint("r", saved, saved.position - 1)
-    eng.close_session("r")  # its history becomes a prefix-cache entry
-    assert len(eng.prefix_cache) == 1
-    eng.open_session("n")
     full = saved.token_ids.tolist()[: saved.position - 1]
+    # A restored session is filed only once a request has named its cache_salt (here none): one
+    # token on top of the restored rows, which it keeps (prompt_ids never yields token 1).
+    assert turn(eng, 3, "r", full + [1], n=1)["reused_prompt_tokens"] == saved.position - 1
+    eng.close_session("r")  # its history, restored rows and all, becomes a prefix-cache entry
+    assert eng.prefix_cache.entries() == [full + [1]]
+    eng.open_session("n")
     res = turn(eng, 1, "n", full + prompt_ids(6, 24))
     assert res["reused_prompt_tokens"] == saved.position - 1
     assert res["generated_token_ids"] == cold(mistral, full + prompt_ids(6, 24), same_kv_as=(eng, "n"))
