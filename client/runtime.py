@@ -88,11 +88,12 @@ class EvictionFailed(CapacityExhausted):
 class _Tracked:
     """A session this runtime opened, resumed or restored (for the eviction policy and the counts)."""
 
-    __slots__ = ("evicted", "has_file")
+    __slots__ = ("evicted", "has_file", "evictable")
 
     def __init__(self) -> None:
         self.evicted = False  # its state is in the store, not in a worker slot
         self.has_file = False  # evicted with state to resume (else it had none: it reopens empty)
+        self.evictable = True  # False: never chosen for eviction (a short-lived session)
 
 
 class _State(enum.Enum):
@@ -342,6 +343,10 @@ class SessionRuntime:
             "eviction_failures": self._eviction_failures,
         }
 
+    def live_sessions(self) -> list[str]:
+        """Ids of the tracked sessions holding a worker slot, least recently used first."""
+        return [sid for sid, tracked in self._sessions.items() if not tracked.evicted]
+
     def session_state(self, session_id: str) -> str | None:
         """``"live"``, ``"evicted"``, or None for a session this runtime does not track (never
         opened here, or closed)."""
@@ -498,7 +503,7 @@ class SessionRuntime:
             (
                 sid
                 for sid, tracked in self._sessions.items()
-                if not tracked.evicted and sid not in self._lanes and sid != for_session
+                if not tracked.evicted and tracked.evictable and sid not in self._lanes and sid != for_session
             ),
             None,
         )
@@ -587,13 +592,16 @@ class SessionRuntime:
         stream._op = op
         return stream
 
-    async def open_session(self, session_id: str) -> None:
-        """Open an empty session, evicting an idle one first if that is on and no slot is free."""
+    async def open_session(self, session_id: str, *, evictable: bool = True) -> None:
+        """Open an empty session, evicting an idle one first if that is on and no slot is free.
+        ``evictable=False``: this session is never evicted to make room (a one-request session a
+        server closes at once, which must leave no file behind)."""
 
         async def body() -> None:
             self._refuse_if_tracked(session_id)
             await self._with_slot(session_id, lambda: self.client.open_session(session_id))
             self._track_live(session_id)
+            self._sessions[session_id].evictable = evictable
 
         return await self._call(session_id, body)
 

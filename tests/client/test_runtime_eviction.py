@@ -184,6 +184,26 @@ async def test_with_no_idle_session_an_open_fails_at_once(runtime, store):
         assert runtime.admitted == 0 and runtime.leased_sessions == 0
 
 
+async def test_a_session_opened_not_evictable_is_never_evicted(runtime, store):
+    # A server's one-request sessions: they must never leave a file behind.
+    with trio.fail_after(HANG_GUARD_S):
+        await runtime.open_session("pinned", evictable=False)
+        await turn(runtime, "pinned", PROMPT)
+        await runtime.open_session("a")
+        await turn(runtime, "a", PROMPT)
+        assert runtime.live_sessions() == ["pinned", "a"]
+        await runtime.open_session("b")  # evicts "a", the only evictable idle one
+        assert runtime.session_state("pinned") == "live" and runtime.session_state("a") == "evicted"
+        assert await saved(store) == ["a"]
+        stream = runtime.generate("b", PROMPT, greedy(LONG))
+        with pytest.raises(CapacityExhausted):
+            await runtime.open_session("c")  # "b" is busy and "pinned" may not go
+        await stream.aclose()  # now idle: "b" goes for "c", never "pinned"
+        await runtime.open_session("c")
+        assert runtime.live_sessions() == ["pinned", "c"]
+        assert runtime.session_state("b") == "evicted" and "pinned" not in await saved(store)
+
+
 async def test_a_failed_save_during_eviction_keeps_the_session_live(runtime, store):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")

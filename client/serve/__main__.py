@@ -1,0 +1,196 @@
+"""python -m muxworker.serve [--model PATH] [--host H] [--port P] [--store DIR] [server flags] [worker flags]
+
+Flags this command does not know are the worker's (``python -m muxworker.worker --help``), passed
+to it as given and checked before anything starts. SIGINT or SIGTERM stops accepting requests, lets
+the ones in flight finish (``--graceful-timeout``), saves every live session with unsaved turns and
+closes the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from muxworker.chat import default_store_dir
+from muxworker.client import MuxError, SessionStore, WorkerStartupError, default_worker_command
+from muxworker.worker.models.identity import model_identity_files, worker_configuration
+from muxworker.worker.models.loader import BUNDLED_GGUF_NAME, ModelLoadError, resolve_model
+from muxworker.worker.options import UsageError, parse_args
+
+from .app import DEFAULT_MAX_REQUEST_BYTES, AppConfig, create_app
+from .metrics import ServerMetrics
+from .process import READY_PREFIX
+from .service import ModelService, SavePolicy, ServiceConfig
+
+log = logging.getLogger("muxworker.serve")
+
+API_KEY_ENV = "MUXWORKER_API_KEY"
+# Flags the server sets on the worker itself (the pipes), so a user may not.
+_RESERVED = ("--control-fd", "--reply-fd", "--files-fd", "--heartbeat_ms", "--heartbeat-ms")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m muxworker.serve",
+        description=textwrap.fill(
+            "An OpenAI-compatible HTTP server over one muxworker worker. Sessions named by an X-Session-Id "
+            "header (or a session_id body field) are kept in the worker, saved to the store after each turn, "
+            "and resumed from it after a restart. Unknown flags are the worker's.",
+            100,
+        ),
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: 8000)")
+    p.add_argument("--store", default=None, help=f"session store directory (default: {default_store_dir()})")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"require Authorization: Bearer KEY on every endpoint but /health; repeat for several tenants "
+        f"(each its own sessions and prefix-cache namespace). Also read from ${API_KEY_ENV}",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    p.add_argument(
+        "--save",
+        choices=[p.value for p in SavePolicy],
+        default=SavePolicy.TURN.value,
+        help="turn: save a session after each turn (default); evict: only on eviction and shutdown",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="generations admitted at once; more get 429 (default: the worker's max_inflight_requests)",
+    )
+    p.add_argument(
+        "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default: 30)"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+async def _run(args: argparse.Namespace, worker_command: list[str], store: SessionStore, keys: tuple[str, ...]) -> int:
+    metrics = ServerMetrics()
+    service = ModelService(
+        worker_command,
+        store,
+        metrics,
+        ServiceConfig(save_policy=SavePolicy(args.save), max_concurrent_requests=args.max_concurrent_requests),
+    )
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        try:
+            await nursery.start(service.run)
+        except WorkerStartupError as exc:
+            log.error("the worker did not start: %s", exc)
+            return 1
+        name = args.served_model_name or _default_name(args.model)
+        app = create_app(service, metrics, AppConfig(name, api_keys=keys, max_request_bytes=args.max_request_bytes))
+        config = Config()
+        config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
+        config.graceful_timeout = args.graceful_timeout
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        config.include_server_header = False
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    stop.set()
+                    return
+
+        async with trio.open_nursery() as http:
+            http.start_soon(watch_signals)
+            binds = await http.start(
+                lambda task_status: serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
+            )
+            # One line on stdout, for people and for scripts waiting for the port (tests parse it).
+            print(f"{READY_PREFIX} {name} on {' '.join(binds)}", flush=True)
+        # serve() has returned: the signal came and its connections have closed (graceful_timeout).
+        log.info("shutting down: saving live sessions")
+        with trio.CancelScope(shield=True):
+            await service.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def _default_name(model: str | None) -> str:
+    """The model id clients send by default: the file or directory name the user gave, without
+    ``.gguf`` (the worker's own name for a GGUF is its conversion directory's)."""
+    path = Path(model) if model is not None else Path(BUNDLED_GGUF_NAME)
+    name = path.name if path.name else path.resolve().name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, worker_flags = _parser().parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for flag in worker_flags:
+        if flag.split("=", 1)[0] in _RESERVED:
+            print(f"muxworker serve: {flag} is set by the server itself", file=sys.stderr)
+            return 2
+    keys = tuple(args.api_key) + ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
+    if any(not k.strip() or k != k.strip() for k in keys):
+        print("muxworker serve: an API key must be non-empty, without surrounding spaces", file=sys.stderr)
+        return 2
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    try:
+        model_dir = resolve_model(args.model, progress=sys.stderr)
+    except (ModelLoadError, OSError) as exc:
+        print(f"muxworker serve: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    try:
+        options = parse_args(["--model", str(model_dir), *worker_flags])
+    except UsageError as exc:
+        print(f"muxworker serve: bad worker flag: {exc}", file=sys.stderr)
+        return 2
+    try:
+        store = trio.run(
+            lambda: SessionStore.create(
+                args.store or default_store_dir(),
+                model_files=model_identity_files(model_dir),
+                configuration=worker_configuration(
+                    backend=options.backend,
+                    dtype=options.dtype,
+                    device=options.device,
+                    weights=options.weights,
+                    quantize=options.quantize,
+                    model_dir=model_dir,
+                    draft=options.draft,
+                    n_draft=options.config.n_draft,
+                ),
+            )
+        )
+    except (MuxError, OSError, ValueError) as exc:
+        print(f"muxworker serve: cannot use the session store: {exc}", file=sys.stderr)
+        return 2
+    command = default_worker_command(model_dir) + list(worker_flags)
+    # The worker in a process group of its own, so a terminal's Ctrl-C reaches only the server,
+    # which saves the sessions before it closes the worker.
+    command[command.index("muxworker.worker")] = "muxworker.chat._worker"
+    try:
+        return trio.run(_run, args, command, store, keys)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

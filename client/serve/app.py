@@ -1,0 +1,388 @@
+"""The ASGI application: OpenAI's HTTP API over a :class:`~.service.ModelService`.
+
+Starlette routes the requests; the two generation endpoints are plain ASGI callables so that one
+trio nursery per request can watch for the client going away while the generation runs (a
+disconnect cancels the generation, streamed or not). Every error leaves as OpenAI's error object
+with its HTTP status (:func:`.openai_api.error_from_mux`), and no request can take the worker down:
+a request's error ends that request only.
+
+Owner: the server's trio thread (hypercorn's trio worker runs the app in the client's event loop).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from muxworker.client.checkpoint import CheckpointNotFound
+from muxworker.client.errors import MuxError
+from muxworker.client.runtime import RuntimeStream
+
+from . import openai_api as oa
+from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .service import ModelService, Tenant, internal_id, session_object
+
+__all__ = ["AppConfig", "SESSION_HEADER", "create_app", "read_body"]
+
+log = logging.getLogger("muxworker.serve")
+
+SESSION_HEADER = "x-session-id"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    served_model_name: str
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (bind 127.0.0.1 only)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(obj, status_code=status, headers=headers)
+
+
+def _error_response(err: oa.APIError) -> JSONResponse:
+    return _json(err.body(), err.status, err.headers)
+
+
+class _Guard:
+    """Authentication and request accounting shared by every endpoint."""
+
+    def __init__(self, config: AppConfig, metrics: ServerMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._keys = [k.encode() for k in config.api_keys]
+
+    def tenant(self, headers: Any) -> Tenant:
+        """The caller's tenant; APIError 401 when keys are configured and the bearer is not one."""
+        if not self._keys:
+            return Tenant.of_key(None)
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise oa.APIError(
+                401,
+                "missing API key: send Authorization: Bearer <key>",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        given = token.strip().encode()
+        # Compare with every key in full, so the time taken does not say which prefix matched.
+        matched = [hmac.compare_digest(given, k) for k in self._keys]
+        if not any(matched):
+            raise oa.APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+        return Tenant.of_key(token.strip())
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def _endpoint(guard: _Guard, name: str, *, auth: bool = True) -> Callable:
+    """Wrap a ``handler(request, tenant) -> Response`` with authentication, error mapping and metrics."""
+
+    def wrap(handler: Callable[[Request, Tenant], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                tenant = guard.tenant(request.headers) if auth else Tenant.of_key(None)
+                response = await handler(request, tenant)
+            except (oa.APIError, MuxError) as exc:
+                response = _error_response(oa.error_from_mux(exc))
+            guard.count(name, response.status_code)
+            return response
+
+        return endpoint
+
+    return wrap
+
+
+async def read_body(receive: Receive, headers: Any, limit: int) -> bytes:
+    """The whole request body, refusing one over ``limit`` bytes (413) before reading it all."""
+    declared = headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise oa.bad_request("Content-Length is not a number", code="invalid_request") from None
+        if size > limit:
+            raise oa.APIError(413, f"the request body has {size} bytes; the limit is {limit}", code="request_too_large")
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise oa.APIError(499, "the client went away", code="client_disconnected")
+        chunk = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            raise oa.APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+class _GenerationEndpoint:
+    """``POST /v1/chat/completions`` or ``/v1/completions``, as an ASGI app of its own."""
+
+    def __init__(self, service: ModelService, guard: _Guard, config: AppConfig, chat: bool) -> None:
+        self.service = service
+        self.guard = guard
+        self.config = config
+        self.chat = chat
+        self.name = "chat_completions" if chat else "completions"
+        self.metrics = guard.metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        status = 200
+        try:
+            status = await self._serve(scope, receive, send, t0)
+        except oa.APIError as err:
+            status = err.status
+            if status != 499:
+                await _error_response(err)(scope, receive, send)
+        finally:
+            self.guard.count(self.name, status)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        request = Request(scope, receive)
+        tenant = self.guard.tenant(request.headers)
+        body = oa.parse_json(await read_body(receive, request.headers, self.config.max_request_bytes))
+        served = self.config.served_model_name
+        parsed = oa.parse_chat_request(body, served) if self.chat else oa.parse_completion_request(body, served)
+        header_sid = request.headers.get(SESSION_HEADER)
+        if header_sid is not None:
+            oa.check_session_id(header_sid, "the X-Session-Id header")
+            if parsed.session_id is not None and parsed.session_id != header_sid:
+                raise oa.bad_request(
+                    f"X-Session-Id {header_sid!r} and session_id {parsed.session_id!r} differ", param="session_id"
+                )
+        public_sid = header_sid or parsed.session_id
+        try:
+            if isinstance(parsed, oa.ChatRequest):
+                prompt: str | list[int] = await self.service.render_chat(parsed.messages)
+            else:
+                prompt = parsed.prompt
+            if public_sid is not None:
+                sid = internal_id(tenant, public_sid)
+                await self.service.ensure_session(sid)
+            else:
+                sid = await self.service.open_ephemeral(tenant)
+        except MuxError as exc:
+            raise oa.error_from_mux(exc) from None
+        try:
+            stream = self.service.generate(sid, prompt, parsed.params, tenant.cache_salt(parsed.cache_salt))
+        except MuxError as exc:
+            self._settled(sid, public_sid, turn=False)
+            raise oa.error_from_mux(exc) from None
+        self.metrics.in_flight.inc()
+        try:
+            error: oa.APIError | None = None
+            status = 200
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, receive, stream)
+                try:
+                    if parsed.stream:
+                        status = await self._stream(send, stream, parsed, public_sid, t0)
+                    else:
+                        status = await self._complete(scope, receive, send, stream, parsed, public_sid, t0)
+                except oa.APIError as exc:
+                    error = exc  # raised outside the nursery, so not inside an exception group
+                finally:
+                    nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
+            return status
+        finally:
+            self.metrics.in_flight.dec()
+            stream.cancel()  # a no-op once it has ended
+            self._settled(sid, public_sid, turn=True)
+
+    def _settled(self, sid: str, public_sid: str | None, *, turn: bool) -> None:
+        if public_sid is None:
+            self.service.release_ephemeral(sid)
+        elif turn:
+            self.service.after_turn(sid)
+
+    async def _watch_disconnect(self, receive: Receive, stream: RuntimeStream) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not stream.finished:
+                    self.metrics.disconnects.inc()
+                stream.cancel()
+                return
+
+    def _account(self, stream_result: Any) -> None:
+        self.metrics.prompt_tokens.inc(stream_result.prompt_tokens)
+        self.metrics.cached_tokens.inc(stream_result.reused_prompt_tokens)
+        self.metrics.completion_tokens.inc(stream_result.completion_tokens)
+
+    async def _complete(
+        self, scope: Scope, receive: Receive, send: Send, stream: RuntimeStream, parsed: Any, sid: str | None, t0: float
+    ) -> int:
+        parts: list[str] = []
+        try:
+            async for text in stream:
+                if not parts:
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                parts.append(text)
+            result = await stream.wait()
+        except MuxError as exc:
+            raise oa.error_from_mux(exc) from None
+        self._account(result)
+        if result.finish_reason == "cancelled":
+            return 499  # nobody to answer
+        build = oa.chat_completion if self.chat else oa.text_completion
+        body = build(oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, "".join(parts), result, sid)
+        headers = {"X-Session-Id": sid} if sid is not None else None
+        await _json(body, 200, headers)(scope, receive, send)
+        return 200
+
+    async def _stream(self, send: Send, stream: RuntimeStream, parsed: Any, sid: str | None, t0: float) -> int:
+        # The first delta (or the end) before the headers: an error at admission or prefill
+        # (context overflow, capacity, a resume that fails) still gets its own HTTP status.
+        iterator = stream.__aiter__()
+        try:
+            first: str | None = await iterator.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except MuxError as exc:
+            raise oa.error_from_mux(exc) from None
+        now = time.perf_counter()
+        self.metrics.ttft.observe(now - t0)
+        writer = oa.ChunkWriter(oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat)
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        if sid is not None:
+            headers.append((b"x-session-id", sid.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self.chat:
+            await _body(send, writer.role())
+        overhead, inter = self.metrics.stream_overhead, self.metrics.inter_token
+        last = now
+        try:
+            if first is not None:
+                await _body(send, writer.delta(first))
+                async for text in stream:
+                    got = time.perf_counter()
+                    inter.observe(got - last)
+                    await _body(send, writer.delta(text))
+                    last = time.perf_counter()
+                    overhead.observe(last - got)
+            result = await stream.wait()
+        except MuxError as exc:
+            # Headers are gone: the error travels as an event, as OpenAI's API does mid-stream.
+            await _body(send, writer.error(oa.error_from_mux(exc)))
+            await _body(send, oa.DONE, more=False)
+            return 200
+        self._account(result)
+        if result.finish_reason == "cancelled":
+            return 499
+        await _body(send, writer.finish(result))
+        if parsed.include_usage:
+            await _body(send, writer.usage(result))
+        await _body(send, oa.DONE, more=False)
+        return 200
+
+
+async def _body(send: Send, data: bytes, more: bool = True) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig) -> Starlette:
+    """The server's ASGI app over ``service``."""
+    guard = _Guard(config, metrics)
+    started = int(time.time())
+
+    def model_object() -> dict[str, Any]:
+        return {"id": config.served_model_name, "object": "model", "created": started, "owned_by": "muxworker"}
+
+    @_endpoint(guard, "health", auth=False)
+    async def health(request: Request, tenant: Tenant) -> Response:
+        if service.ready:
+            return _json({"status": "ok"})
+        return _json({"status": "unavailable", "reason": service.last_error or "starting"}, 503, {"Retry-After": "1"})
+
+    @_endpoint(guard, "metrics")
+    async def metrics_endpoint(request: Request, tenant: Tenant) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @_endpoint(guard, "models")
+    async def models(request: Request, tenant: Tenant) -> Response:
+        return _json({"object": "list", "data": [model_object()]})
+
+    @_endpoint(guard, "model")
+    async def model(request: Request, tenant: Tenant) -> Response:
+        if request.path_params["model"] != config.served_model_name:
+            raise oa.APIError(
+                404, f"model {request.path_params['model']!r:.80} is not served here", code="model_not_found"
+            )
+        return _json(model_object())
+
+    @_endpoint(guard, "sessions")
+    async def list_sessions(request: Request, tenant: Tenant) -> Response:
+        return _json({"object": "list", "data": await service.list_sessions(tenant)})
+
+    def _sid(request: Request, tenant: Tenant) -> tuple[str, str]:
+        public = oa.check_session_id(request.path_params["session_id"], "the session id in the path")
+        return public, internal_id(tenant, public)
+
+    @_endpoint(guard, "session")
+    async def get_session(request: Request, tenant: Tenant) -> Response:
+        public, sid = _sid(request, tenant)
+        state = service.session_state(sid)
+        info = None
+        try:
+            info = await service.session_info(sid)
+        except CheckpointNotFound:
+            if state is None:
+                raise oa.APIError(404, f"no session {public!r}", code="session_not_found") from None
+        return _json(session_object(tenant, sid, state, info))
+
+    @_endpoint(guard, "session_delete")
+    async def delete_session(request: Request, tenant: Tenant) -> Response:
+        public, sid = _sid(request, tenant)
+        if not await service.delete_session(sid):
+            raise oa.APIError(404, f"no session {public!r}", code="session_not_found")
+        return _json({"id": public, "object": "session.deleted", "deleted": True})
+
+    @_endpoint(guard, "session_save")
+    async def save_session(request: Request, tenant: Tenant) -> Response:
+        public, sid = _sid(request, tenant)
+        try:
+            info = await service.save_now(sid)
+        except CheckpointNotFound:
+            raise oa.APIError(404, f"no session {public!r}", code="session_not_found") from None
+        return _json(session_object(tenant, sid, service.session_state(sid), info))
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        err = oa.APIError(status, message.get(status, str(exc)), code="not_found" if status == 404 else "bad_method")
+        guard.count("unrouted", status)
+        return _error_response(err)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/v1/chat/completions", _GenerationEndpoint(service, guard, config, chat=True), methods=["POST"]),
+        Route("/v1/completions", _GenerationEndpoint(service, guard, config, chat=False), methods=["POST"]),
+        Route("/v1/sessions", list_sessions, methods=["GET"]),
+        Route("/v1/sessions/{session_id}", get_session, methods=["GET"]),
+        Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
+        Route("/v1/sessions/{session_id}/save", save_session, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})

@@ -1,0 +1,469 @@
+"""OpenAI's HTTP wire format: parse requests into muxworker calls, build responses and errors.
+
+Sans-I/O: plain functions over decoded JSON, so every edge case is unit-tested without a server.
+Field names, defaults and error objects follow OpenAI's API reference
+(``{"error": {"message", "type", "param", "code"}}`` with the HTTP status the official client maps
+to its exception classes). Sampling ranges are muxworker's own (transport/sampling.py), checked
+here with :meth:`SamplingFields.validate` so a bad value is a 400 naming the field before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from muxworker.client.checkpoint import CheckpointError
+from muxworker.client.errors import (
+    CapacityExhausted,
+    ClientClosedError,
+    ContextOverflow,
+    MuxError,
+    NotReady,
+    SessionBusy,
+    SessionNotFound,
+    WorkerDiedError,
+)
+from muxworker.client.params import GenerationParams, GenerationResult
+from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.sampling import MAX_STOP_STRINGS, SamplingFields
+
+__all__ = [
+    "APIError",
+    "CompletionRequest",
+    "ChatRequest",
+    "SESSION_ID_PATTERN",
+    "check_session_id",
+    "error_from_mux",
+    "parse_chat_request",
+    "parse_completion_request",
+    "usage",
+]
+
+#: A session id as the HTTP API accepts it (header, body field or URL path): 1-128 characters of
+#: letters, digits and ``._:@-``, starting with a letter or digit. Store files are named by a hash
+#: of the id, so no id can name a path; the pattern keeps ids printable and URL-safe.
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+MAX_CACHE_SALT_CHARS = 128  # the server prefixes the tenant; the wire bound is larger
+
+# Fields accepted and ignored: OpenAI clients and agent frameworks send them, and they change
+# nothing here (``user`` and ``metadata`` are labels; ``store`` is OpenAI's own log).
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "max_tokens", "stop", "seed", "n", "session_id", "cache_salt", *_SAMPLING}
+)
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
+_CHAT_FIELDS |= {"response_format", "logit_bias"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", "logit_bias"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An HTTP error with OpenAI's error object. ``type`` is OpenAI's (``invalid_request_error``,
+    ``authentication_error``, ``rate_limit_error``, ``server_error``); ``code`` is a stable string
+    a program can switch on."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+#: Seconds a client is told to wait after a 429 or a 503 (Retry-After).
+RETRY_AFTER_S = 1
+
+
+def error_from_mux(exc: BaseException) -> APIError:
+    """The HTTP error a muxworker exception means to an OpenAI client."""
+    if isinstance(exc, APIError):
+        return exc
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(exc, ContextOverflow):
+        return APIError(400, str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, InvalidArgument):
+        return APIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, CapacityExhausted):
+        return APIError(
+            429, f"the server is at capacity: {exc}", type="rate_limit_error", code="capacity", headers=retry
+        )
+    if isinstance(exc, SessionBusy):
+        return APIError(409, str(exc), code="session_busy")
+    if isinstance(exc, SessionNotFound):
+        return APIError(404, str(exc), code="session_not_found")
+    if isinstance(exc, CheckpointError):
+        return APIError(
+            409,
+            f"the session's saved state cannot be used: {exc}. Its files are left untouched; "
+            "DELETE /v1/sessions/{id} to start it over",
+            code="session_unresumable",
+        )
+    if isinstance(exc, (WorkerDiedError, ClientClosedError, NotReady)):
+        return APIError(
+            503,
+            f"the model worker is unavailable: {exc}",
+            type="server_error",
+            code="worker_unavailable",
+            headers=retry,
+        )
+    if isinstance(exc, MuxError):
+        return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code=getattr(exc, "code", None))
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+
+
+def check_session_id(value: Any, where: str = "session_id") -> str:
+    if not isinstance(value, str) or not SESSION_ID_PATTERN.fullmatch(value):
+        raise bad_request(
+            f"{where} must be 1-128 characters of letters, digits and ._:@- starting with a letter or digit, "
+            f"got {value!r:.80}",
+            param="session_id",
+            code="invalid_session_id",
+        )
+    return value
+
+
+@dataclass
+class _Common:
+    model: str | None
+    stream: bool
+    include_usage: bool
+    params: GenerationParams  # session_id is filled in by the server
+    session_id: str | None
+    cache_salt: str | None
+
+
+@dataclass
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionRequest(_Common):
+    prompt: str | list[int] = ""
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    extra = sorted(set(body) - known - _IGNORED)
+    if extra:
+        raise bad_request(f"unrecognized request argument(s): {', '.join(extra)}", param=extra[0], code="unknown_field")
+
+
+def _absent_or(body: Mapping[str, Any], name: str, *allowed: Any) -> None:
+    """``name`` may only be missing, null, or one of ``allowed`` (features not served here)."""
+    value = body.get(name)
+    if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
+        raise bad_request(f"{name}={value!r:.80} is not supported by this server", param=name, code="unsupported")
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"{name} must be a number, got {value!r:.80}", param=name)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer, got {value!r:.80}", param=name)
+    return value
+
+
+def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | None) -> _Common:
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise APIError(
+            400, f"model {model!r:.80} is not served here; this server serves {served_model!r}", code="model_not_found"
+        )
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream must be a boolean, got {stream!r:.80}", param="stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise bad_request(
+                f"stream_options must be {{'include_usage': bool}}, got {options!r:.80}", "stream_options"
+            )
+        if not stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise bad_request(f"n={n} is not supported: one choice per request", param="n", code="unsupported")
+    max_tokens = _integer(body, "max_tokens")
+    if max_tokens_field is not None and body.get(max_tokens_field) is not None:
+        max_tokens = _integer(body, max_tokens_field)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop_list: list[str] = []
+    elif isinstance(stop, str):
+        stop_list = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        stop_list = list(stop)
+    else:
+        raise bad_request(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+    if any(not s for s in stop_list):
+        raise bad_request("stop strings must not be empty", param="stop")
+    seed = _integer(body, "seed")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise bad_request(f"seed must be in [0, 2**64), got {seed}", param="seed")
+    sampling: dict[str, Any] = {}
+    for name in _SAMPLING:
+        value = _integer(body, name) if name == "top_k" else _number(body, name)
+        if value is not None:
+            sampling[name] = value
+    # OpenAI's defaults: temperature 1 and top_p 1 (muxworker's own default is greedy).
+    sampling.setdefault("temperature", 1.0)
+    fields = SamplingFields(
+        max_new_tokens=-1 if max_tokens is None else max_tokens, seed=seed, stop=stop_list, **sampling
+    )
+    try:
+        fields.validate()
+    except InvalidArgument as exc:
+        raise bad_request(str(exc)) from None
+    session_id = body.get("session_id")
+    if session_id is not None:
+        check_session_id(session_id)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise bad_request(f"cache_salt must be a string of 1-{MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    params = GenerationParams(
+        session_id="",
+        max_new_tokens=fields.max_new_tokens,
+        temperature=fields.temperature,
+        top_p=fields.top_p,
+        top_k=fields.top_k,
+        min_p=fields.min_p,
+        repetition_penalty=fields.repetition_penalty,
+        presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty,
+        seed=seed,
+        stop=stop_list,
+    )
+    return _Common(served_model, stream, include_usage, params, session_id, salt)
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                    param="messages",
+                    code="unsupported",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ChatRequest:
+    """A ``POST /v1/chat/completions`` body; raises :class:`APIError` (400) naming the bad field."""
+    _unknown(body, _CHAT_FIELDS)
+    for name in ("logprobs",):
+        _absent_or(body, name, False)
+    _absent_or(body, "top_logprobs")
+    _absent_or(body, "logit_bias", {})
+    _absent_or(body, "tools", [])
+    _absent_or(body, "tool_choice", "none", "auto")
+    _absent_or(body, "response_format", {"type": "text"})
+    common = _common(body, served_model, "max_completion_tokens")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty list", param="messages")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", param="messages")
+        role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise bad_request(
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.get('role')!r:.40}",
+                param="messages",
+                code="unsupported" if m.get("role") in ("tool", "function") else "invalid_value",
+            )
+        if m.get("tool_calls"):
+            raise bad_request(f"messages[{i}]: tool calls are not supported", param="messages", code="unsupported")
+        content = m.get("content")
+        text = "" if content is None and role == "assistant" else _content_text(content, i)
+        messages.append({"role": role, "content": text})
+    return ChatRequest(**vars(common), messages=messages)
+
+
+def parse_completion_request(body: Mapping[str, Any], served_model: str) -> CompletionRequest:
+    """A ``POST /v1/completions`` body (one prompt: a string or token ids)."""
+    _unknown(body, _COMPLETION_FIELDS)
+    _absent_or(body, "echo", False)
+    _absent_or(body, "suffix")
+    _absent_or(body, "best_of", 1)
+    _absent_or(body, "logprobs")
+    _absent_or(body, "logit_bias", {})
+    common = _common(body, served_model, None)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return CompletionRequest(**vars(common), prompt=list(prompt))
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request(
+            "prompt must be a non-empty string or a list of token ids (one prompt per request)", param="prompt"
+        )
+    return CompletionRequest(**vars(common), prompt=prompt)
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` are the prompt tokens whose KV was reused (the
+    session's own history, a resumed file, or a prefix-cache entry of the same namespace)."""
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.reused_prompt_tokens},
+    }
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def chat_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason(result),
+            }
+        ],
+        "usage": usage(result),
+    }
+    if session_id is not None:
+        body["session_id"] = session_id
+    return body
+
+
+def text_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(result)}],
+        "usage": usage(result),
+    }
+    if session_id is not None:
+        body["session_id"] = session_id
+    return body
+
+
+class ChunkWriter:
+    """Server-sent events of one streamed completion, as bytes.
+
+    A chunk for each text delta is the hot path (one per token): the JSON around the text is
+    rendered once per request, so a delta costs one ``json.dumps`` of its text.
+    """
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.chat = chat
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+        }
+        self._head = {**head, "model": model}
+        prefix = json.dumps(self._head)[:-1]
+        if chat:
+            self._open = f'data: {prefix}, "choices": [{{"index": 0, "delta": {{"content": '
+            self._close = '}, "logprobs": null, "finish_reason": null}]}\n\n'
+        else:
+            self._open = f'data: {prefix}, "choices": [{{"index": 0, "text": '
+            self._close = ', "logprobs": null, "finish_reason": null}]}\n\n'
+
+    def role(self) -> bytes:
+        """The first chat chunk: the assistant role, no content yet (as OpenAI sends it)."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._event({**self._head, "choices": [choice]})
+
+    def delta(self, text: str) -> bytes:
+        return (self._open + json.dumps(text) + self._close).encode()
+
+    def finish(self, result: GenerationResult) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason(result)}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        return self._event({**self._head, "choices": [choice]})
+
+    def usage(self, result: GenerationResult) -> bytes:
+        return self._event({**self._head, "choices": [], "usage": usage(result)})
+
+    @staticmethod
+    def error(err: APIError) -> bytes:
+        return ChunkWriter._event(err.body())
+
+    @staticmethod
+    def _event(obj: Any) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"

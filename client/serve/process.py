@@ -1,0 +1,116 @@
+"""Start ``python -m muxworker.serve`` as a child process and wait until it listens.
+
+For scripts, benchmarks and tests that need a real server: ``with ServerProcess(["--store", d]) as
+server: httpx.get(server.url + "/health")``. The server prints one line when it listens
+(:data:`READY_PREFIX`, then the model id and its URLs); everything else it writes goes to a log file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["READY_PREFIX", "ServerProcess", "ServerStartError"]
+
+#: The line the server prints on stdout once it accepts connections: ``<prefix> <model> on <url> ...``.
+READY_PREFIX = "muxworker serve:"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or stayed silent before it listened; the message carries its log's tail."""
+
+
+class ServerProcess:
+    """One server child process (see the module docstring). ``url`` is its first bound URL."""
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        startup_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.args = ["--port", "0", *args] if "--port" not in args else list(args)
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.log_path = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(suffix=".log")[1])
+        self.process: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.model = ""
+
+    def start(self) -> ServerProcess:
+        log = open(self.log_path, "a")  # noqa: SIM115 - owned by the process, closed in stop()
+        self._log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "muxworker.serve", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, **(self.env or {})},
+        )
+        ready = threading.Event()
+        line_box: list[str] = []
+
+        def read() -> None:
+            assert self.process is not None and self.process.stdout is not None
+            for line in self.process.stdout:
+                if line.startswith(READY_PREFIX) and not ready.is_set():
+                    line_box.append(line)
+                    ready.set()
+                log.write(line)
+                log.flush()
+            ready.set()
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        if not ready.wait(self.startup_timeout) or not line_box:
+            self.stop()
+            raise ServerStartError(f"the server did not start: {self.log_tail()}")
+        words = line_box[0][len(READY_PREFIX) :].split()
+        self.model = words[0]
+        self.url = words[words.index("on") + 1]
+        return self
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90.0) -> int | None:
+        """Ask it to stop (it saves its sessions first), then kill it after ``timeout`` seconds."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(sig)
+            deadline = time.monotonic() + timeout
+            while process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self._reader.join(timeout=5)  # it reads until EOF, which the exit brought
+        if process.stdout is not None:
+            process.stdout.close()
+        self._log.close()
+        return process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,369 @@
+"""The HTTP server end to end: a real ``python -m muxworker.serve`` process on 127.0.0.1 with a real
+worker and the bundled SmolLM2, driven by clients nobody here wrote (the official ``openai``
+package, httpx for raw SSE).
+
+What is checked: OpenAI's wire format (chat and completions, streamed and not, usage, errors and
+their HTTP statuses through the SDK's exception classes); sessions named by a header or a body
+field reuse their history (``cached_tokens``) and are saved after each turn; a server restart
+resumes a session from the store with only the new turn prefilled, with the same reply as a cold
+run; a killed worker gives 503 and is restarted; API keys, tenants and cache salts keep tenants
+apart; capacity gives 429; a client that goes away cancels its generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from muxworker.client import SessionStore
+from muxworker.serve.process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def _client(server: ServerProcess, key: str = "none", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120, **kw)
+
+
+def _metric(server: ServerProcess, name: str, headers: dict | None = None) -> float:
+    text = httpx.get(server.url + "/metrics", headers=headers).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    store = tmp_path_factory.mktemp("serve-store")
+    args = ["--store", str(store), "--max_sessions", "6", "--prefix_cache_entries", "2", "--max_session_tokens", "2048"]
+    with ServerProcess(args, log_path=store.parent / "serve.log") as s:
+        yield s
+
+
+def test_models_health_and_unknown_routes(server):
+    client = _client(server)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert client.models.retrieve(server.model).id == server.model
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.put(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_chat_streamed_equals_non_streamed(server):
+    client = _client(server)
+    full = client.chat.completions.create(model=server.model, messages=QUESTION, temperature=0, max_tokens=24)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert (
+        full.usage.completion_tokens > 0
+        and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_and_raw_sse(server):
+    client = _client(server)
+    done = client.completions.create(model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].text
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    parts = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in parts) == done.choices[0].text
+    assert parts[-1]["choices"][0]["finish_reason"] == done.choices[0].finish_reason
+
+
+def test_bad_requests_get_openai_errors(server):
+    client = _client(server)
+    cases = [
+        (dict(model="gpt-4", messages=QUESTION), "model_not_found"),
+        (dict(model=server.model, messages=QUESTION, temperature=-1), "invalid_value"),
+        (dict(model=server.model, messages=QUESTION, n=2), "unsupported"),
+        (dict(model=server.model, messages=[]), "invalid_value"),
+        (dict(model=server.model, messages=[{"role": "tool", "content": "x"}]), "unsupported"),
+        (dict(model=server.model, messages=QUESTION, extra_body={"session_id": "../../etc"}), "invalid_session_id"),
+        (dict(model=server.model, messages=QUESTION, extra_body={"bogus": 1}), "unknown_field"),
+        (dict(model=server.model, messages=[{"role": "user", "content": "hi " * 3000}]), "context_length_exceeded"),
+    ]
+    for kwargs, code in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**kwargs)
+        assert info.value.status_code == 400 and info.value.code == code, (kwargs, info.value)
+        assert info.value.message
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"x" * (4 * 1024 * 1024 + 1))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # The worker served all of that and still answers.
+    assert client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2).choices[0].message
+
+
+def test_session_reuses_its_history_and_is_saved(server):
+    client = _client(server)
+    headers = {"X-Session-Id": "conv-1"}
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    first = client.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, max_tokens=40, extra_headers=headers
+    )
+    # At most the chat template's system prompt comes from the prefix cache (same tenant).
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 8
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And one about the sky."},
+    ]
+    second = client.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "conv-1"}
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Everything but the new turn's few tokens is the session's own history.
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    assert second.usage.prompt_tokens - cached < 20
+    listed = httpx.get(server.url + "/v1/sessions").json()["data"]
+    assert {"id": "conv-1", "state": "live"}.items() <= next(s for s in listed if s["id"] == "conv-1").items()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the save after the turn runs in the background
+        info = httpx.get(server.url + "/v1/sessions/conv-1").json()
+        if info.get("saved_tokens", 0) >= second.usage.prompt_tokens:
+            break
+        time.sleep(0.1)
+    assert info["saved_tokens"] >= second.usage.prompt_tokens, info
+    saved = httpx.post(server.url + "/v1/sessions/conv-1/save").json()
+    assert saved["saved_tokens"] >= second.usage.prompt_tokens
+    assert httpx.delete(server.url + "/v1/sessions/conv-1").json()["deleted"] is True
+    assert httpx.get(server.url + "/v1/sessions/conv-1").status_code == 404
+    assert httpx.delete(server.url + "/v1/sessions/conv-1").status_code == 404
+
+
+def test_sixteen_concurrent_streaming_clients(server):
+    # More clients than worker slots (6): sessions beyond them are evicted to the store and
+    # resumed; stateless requests beyond the slots are refused with 429, never hung.
+    client = _client(server)
+
+    def run(i: int) -> tuple[str, str | None]:
+        try:
+            stream = client.chat.completions.create(
+                model=server.model,
+                messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+                temperature=0,
+                max_tokens=12,
+                stream=True,
+                extra_headers={"X-Session-Id": f"many-{i}"},
+            )
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices), None
+        except openai.RateLimitError as exc:
+            return "", str(exc)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, range(16)))
+    served = [text for text, err in results if err is None]
+    assert len(served) >= 6 and all(served), results
+    assert all(err is None or "capacity" in err for _, err in results)
+    # Every session can continue afterwards, one at a time (evicted ones come back from the store).
+    for i in range(16):
+        text, err = run(i)
+        assert err is None and text
+
+
+def test_disconnect_cancels_the_generation(server):
+    before = _metric(server, "muxworker_client_disconnects_total")
+    tokens_before = _metric(server, "muxworker_completion_tokens_total")
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 1, "stream": True, "seed": 1},
+        timeout=60,
+    ) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # The connection is closed here, long before 1500 tokens.
+    deadline = time.monotonic() + 30
+    while _metric(server, "muxworker_client_disconnects_total") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "muxworker_client_disconnects_total") == before + 1
+    time.sleep(0.5)
+    assert _metric(server, "muxworker_completion_tokens_total") - tokens_before < 1000
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in (
+        "muxworker_time_to_first_token_seconds_bucket",
+        "muxworker_inter_token_seconds_bucket",
+        "muxworker_stream_overhead_seconds_bucket",
+        'muxworker_sessions{state="live"}',
+        "muxworker_cached_prompt_tokens_total",
+        'muxworker_http_requests_total{endpoint="completions",status="499"}',  # the client went away
+    ):
+        assert name in metrics, name
+
+
+def test_capacity_gives_429(tmp_path):
+    args = ["--store", str(tmp_path / "store"), "--max-concurrent-requests", "1", "--max_sessions", "2"]
+    with ServerProcess(args, log_path=tmp_path / "serve.log") as server:
+        client = _client(server)
+        long = client.chat.completions.create(
+            model=server.model, messages=QUESTION, max_tokens=400, temperature=1, stream=True, seed=3
+        )
+        next(iter(long))  # it runs and holds the only admission
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=4)
+        assert info.value.status_code == 429 and info.value.response.headers["retry-after"] == "1"
+        long.close()
+
+
+def test_api_keys_tenants_and_cache_salt(tmp_path):
+    args = [
+        "--store",
+        str(tmp_path / "store"),
+        "--api-key",
+        "key-a",
+        "--prefix_cache_entries",
+        "4",
+        "--max_sessions",
+        "4",
+    ]
+    with ServerProcess(args, log_path=tmp_path / "serve.log", env={"MUXWORKER_API_KEY": "key-b"}) as server:
+        assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-a"}):
+            r = httpx.get(server.url + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.url + "/metrics").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            _client(server, "wrong").models.list()
+        a, b = _client(server, "key-a"), _client(server, "key-b")
+        # Tenants have their own session ids: b's "shared" is not a's.
+        a.chat.completions.create(
+            model=server.model, messages=QUESTION, max_tokens=4, extra_headers={"X-Session-Id": "shared"}
+        )
+        listed_b = b.get("/sessions", cast_to=httpx.Response).json()["data"]
+        assert [s["id"] for s in a.get("/sessions", cast_to=httpx.Response).json()["data"]] == ["shared"]
+        assert listed_b == []
+        # The prefix cache: a stateless prompt of a's is reused by a, never by b, nor by a's other salt.
+        prompt = "A long and private prompt about the secret plans of tenant A. " * 4
+        kw = dict(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+        assert a.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+        time.sleep(0.3)  # the stateless session's close (which makes the entry) runs after the reply
+        assert a.completions.create(**kw).usage.prompt_tokens_details.cached_tokens > 0
+        assert b.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+        salted = a.completions.create(**kw, extra_body={"cache_salt": "other"})
+        assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _worker_pid(server: ServerProcess) -> int:
+    """The server's one child process (trio spawns it from a thread, so scan every process's parent)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == server.pid:
+                return int(entry)
+    raise AssertionError("the server has no worker process")
+
+
+def test_restart_resumes_sessions_and_a_dead_worker_is_replaced(tmp_path):
+    store = tmp_path / "store"
+    # float32: the resumed continuation must equal the cold one token for token.
+    args = ["--store", str(store), "--dtype", "float32", "--max_sessions", "4", "--max_session_tokens", "4096"]
+    story = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))
+    messages = [{"role": "user", "content": f"Read these facts.\n{story}\nWhat is 7 squared?"}]
+    with ServerProcess(args, log_path=tmp_path / "serve1.log") as server:
+        client = _client(server)
+        first = client.chat.completions.create(
+            model=server.model, messages=messages, temperature=0, max_tokens=24, extra_headers={"X-Session-Id": "long"}
+        )
+    # Stopped with SIGTERM: the session was saved after its turn (and again at shutdown if needed).
+    infos = SessionStore.inspect(store).list_info()
+    assert [i.session_id for i in infos] == ["local/long"] and infos[0].tokens >= first.usage.prompt_tokens
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And what is 8 squared?"},
+    ]
+    with ServerProcess(args, log_path=tmp_path / "serve2.log") as server:
+        client = _client(server)
+        resumed = client.chat.completions.create(
+            model=server.model, messages=messages, temperature=0, max_tokens=24, extra_headers={"X-Session-Id": "long"}
+        )
+        usage = resumed.usage
+        assert usage.prompt_tokens > 900
+        assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+        cold = client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=24)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        assert resumed.choices[0].message.content == cold.choices[0].message.content
+
+        # Kill the worker: requests get 503 until it is back, then the session resumes from the store.
+        os.kill(_worker_pid(server), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        saw_503 = False
+        while time.monotonic() < deadline:
+            try:
+                again = client.chat.completions.create(
+                    model=server.model,
+                    messages=messages,
+                    max_tokens=4,
+                    temperature=0,
+                    extra_headers={"X-Session-Id": "long"},
+                )
+                break
+            except openai.InternalServerError as exc:
+                assert exc.status_code == 503 and exc.response.headers["retry-after"] == "1"
+                saw_503 = True
+                time.sleep(0.2)
+        assert saw_503
+        assert again.usage.prompt_tokens_details.cached_tokens >= 0.9 * again.usage.prompt_tokens
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        assert _metric(server, "muxworker_worker_restarts_total") == 1
+
+
+def test_save_on_shutdown_only(tmp_path):
+    store = tmp_path / "store"
+    args = ["--store", str(store), "--save", "evict"]
+    with ServerProcess(args, log_path=tmp_path / "serve.log") as server:
+        client = _client(server)
+        client.chat.completions.create(
+            model=server.model, messages=QUESTION, max_tokens=4, extra_headers={"X-Session-Id": "s"}
+        )
+        time.sleep(0.3)
+        assert SessionStore.inspect(store).list_info() == []  # not after the turn
+        stopped = threading.Event()
+        threading.Thread(target=lambda: (server.stop(), stopped.set()), daemon=True).start()
+        assert stopped.wait(120) and server.process.returncode == 0
+    assert [i.session_id for i in SessionStore.inspect(store).list_info()] == ["local/s"]

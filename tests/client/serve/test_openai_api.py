@@ -1,0 +1,183 @@
+"""OpenAI's wire format without a server: request parsing, error mapping and the SSE chunks, checked
+against the official ``openai`` package's own models where it has one (its pydantic types parse
+what the server sends, as its client does)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from muxworker.client import (
+    CapacityExhausted,
+    CheckpointCorrupt,
+    ContextOverflow,
+    GenerationResult,
+    InvalidArgument,
+    WorkerDiedError,
+)
+from muxworker.serve import openai_api as oa
+
+MODEL = "m"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return oa.parse_chat_request({"model": MODEL, "messages": MESSAGES, **fields}, MODEL)
+
+
+def code_of(body: dict, parse=oa.parse_chat_request) -> str | None:
+    with pytest.raises(oa.APIError) as info:
+        parse(body, MODEL)
+    assert info.value.status == 400 and info.value.message
+    return info.value.code
+
+
+def test_defaults_follow_openai():
+    r = chat()
+    assert not r.stream and not r.include_usage and r.session_id is None and r.cache_salt is None
+    # OpenAI's defaults: temperature 1, top_p 1, no length limit but the context.
+    assert r.params.temperature == 1.0 and r.params.top_p == 1.0 and r.params.max_new_tokens == -1
+    assert r.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_fields_map_to_generation_params():
+    r = chat(
+        temperature=0,
+        top_p=0.5,
+        max_tokens=7,
+        max_completion_tokens=9,
+        stop="\n",
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        stream=True,
+        stream_options={"include_usage": True},
+        session_id="s-1",
+        cache_salt="salt",
+        user="ignored",
+    )
+    p = r.params
+    assert (p.temperature, p.top_p, p.max_new_tokens, list(p.stop), p.seed) == (0.0, 0.5, 9, ["\n"], 3)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5)
+    assert r.stream and r.include_usage and r.session_id == "s-1" and r.cache_salt == "salt"
+
+
+def test_content_parts_developer_role_and_null_assistant_content():
+    r = oa.parse_chat_request(
+        {
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+                {"role": "assistant", "content": None},
+            ]
+        },
+        MODEL,
+    )
+    assert r.messages == [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize(
+    "fields, code",
+    [
+        ({"model": "other"}, "model_not_found"),
+        ({"temperature": "hot"}, "invalid_value"),
+        ({"temperature": -0.1}, "invalid_value"),
+        ({"top_p": 0}, "invalid_value"),
+        ({"presence_penalty": 3}, "invalid_value"),
+        ({"max_tokens": 0}, "invalid_value"),
+        ({"max_tokens": True}, "invalid_value"),
+        ({"n": 3}, "unsupported"),
+        ({"logprobs": True}, "unsupported"),
+        ({"tools": [{"type": "function"}]}, "unsupported"),
+        ({"response_format": {"type": "json_object"}}, "unsupported"),
+        ({"stop": ["a", 1]}, "invalid_value"),
+        ({"stop": [""]}, "invalid_value"),
+        ({"seed": -1}, "invalid_value"),
+        ({"stream": "yes"}, "invalid_value"),
+        ({"stream_options": {"include_usage": True}}, "invalid_value"),  # without stream
+        ({"session_id": "a/b"}, "invalid_session_id"),
+        ({"session_id": "x" * 129}, "invalid_session_id"),
+        ({"cache_salt": ""}, "invalid_value"),
+        ({"frobnicate": 1}, "unknown_field"),
+        ({"messages": "hi"}, "invalid_value"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "unsupported"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "unsupported"),
+        ({"messages": [{"role": "user", "content": 5}]}, "invalid_value"),
+    ],
+)
+def test_bad_chat_requests_are_400_naming_the_problem(fields, code):
+    assert code_of({"model": MODEL, "messages": MESSAGES, **fields}) == code
+
+
+def test_completion_prompts():
+    assert oa.parse_completion_request({"prompt": "hi"}, MODEL).prompt == "hi"
+    assert oa.parse_completion_request({"prompt": ["hi"]}, MODEL).prompt == "hi"
+    assert oa.parse_completion_request({"prompt": [1, 2, 3]}, MODEL).prompt == [1, 2, 3]
+    assert oa.parse_completion_request({"prompt": [[1, 2]]}, MODEL).prompt == [1, 2]
+    for body in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": [True]}, {}, {"prompt": "a", "echo": True}):
+        assert code_of(body, oa.parse_completion_request) in ("invalid_value", "unsupported")
+
+
+def test_parse_json():
+    assert oa.parse_json(b'{"a": 1}') == {"a": 1}
+    for raw in (b"{", b"[1]", b"\xff"):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_json(raw)
+        assert info.value.code == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (ContextOverflow("too long"), 400, "context_length_exceeded"),
+        (InvalidArgument("bad"), 400, "invalid_value"),
+        (CapacityExhausted("full"), 429, "capacity"),
+        (CheckpointCorrupt("crc"), 409, "session_unresumable"),
+        (WorkerDiedError("gone"), 503, "worker_unavailable"),
+        (RuntimeError("boom"), 500, "internal_error"),
+    ],
+)
+def test_error_mapping(exc, status, code):
+    err = oa.error_from_mux(exc)
+    assert (err.status, err.code) == (status, code)
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    if status in (429, 503):
+        assert err.headers["Retry-After"] == str(oa.RETRY_AFTER_S)
+    assert "boom" not in err.message  # an internal error does not leak its text
+
+
+RESULT = GenerationResult("stop", 5, 3, 2, 4, [1, 2, 3, 4], 0.1, 0.2, committed_tokens=4)
+
+
+def test_responses_parse_as_the_sdk_types():
+    body = oa.chat_completion("chatcmpl-1", MODEL, "hello", RESULT, "s")
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "hello" and parsed.usage.prompt_tokens_details.cached_tokens == 3
+    assert parsed.usage.total_tokens == 9
+    completion = Completion.model_validate(oa.text_completion("cmpl-1", MODEL, "x", RESULT, None))
+    assert completion.choices[0].text == "x" and completion.choices[0].finish_reason == "stop"
+
+
+def test_stream_chunks_parse_as_the_sdk_types():
+    writer = oa.ChunkWriter("chatcmpl-1", MODEL, chat=True)
+    events = [writer.role(), writer.delta('a "quoted"\n\u00e9'), writer.finish(RESULT), writer.usage(RESULT)]
+    chunks = []
+    for event in events:
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        chunks.append(ChatCompletionChunk.model_validate(json.loads(event[6:])))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == 'a "quoted"\n\u00e9'
+    assert chunks[2].choices[0].finish_reason == "stop" and chunks[3].usage.completion_tokens == 4
+    text = oa.ChunkWriter("cmpl-1", MODEL, chat=False)
+    # As OpenAI streams completions: finish_reason null until the last chunk (the SDK's Completion
+    # type only admits the final values, so the SDK reads stream chunks without validating them).
+    assert json.loads(text.delta("t")[6:])["choices"][0] == {
+        "index": 0,
+        "text": "t",
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert Completion.model_validate(json.loads(text.finish(RESULT)[6:])).choices[0].finish_reason == "stop"
+    assert json.loads(oa.ChunkWriter.error(oa.bad_request("no"))[6:])["error"]["message"] == "no"
