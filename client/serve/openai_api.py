@@ -56,7 +56,19 @@ MAX_CACHE_SALT_CHARS = 128  # the server prefixes the tenant; the wire bound is 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _COMMON = frozenset(
-    {"model", "stream", "stream_options", "max_tokens", "stop", "seed", "n", "session_id", "cache_salt", *_SAMPLING}
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "stop",
+        "seed",
+        "n",
+        "session_id",
+        "cache_salt",
+        "ignore_eos",
+        *_SAMPLING,
+    }
 )
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
 _CHAT_FIELDS |= {"response_format", "logit_bias"}
@@ -271,8 +283,13 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
         raise bad_request(f"cache_salt must be a string of 1-{MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request(f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
     params = GenerationParams(
         session_id="",
+        # vLLM's extension, for benchmarks: run to max_tokens past the model's end-of-turn tokens.
+        stop_token_ids=[] if ignore_eos else None,
         max_new_tokens=fields.max_new_tokens,
         temperature=fields.temperature,
         top_p=fields.top_p,

@@ -310,9 +310,18 @@ def test_restart_resumes_sessions_and_a_dead_worker_is_replaced(tmp_path):
         first = client.chat.completions.create(
             model=server.model, messages=messages, temperature=0, max_tokens=24, extra_headers={"X-Session-Id": "long"}
         )
+        client.chat.completions.create(
+            model=server.model, messages=QUESTION, max_tokens=4, extra_headers={"X-Session-Id": "broken"}
+        )
     # Stopped with SIGTERM: the session was saved after its turn (and again at shutdown if needed).
     infos = SessionStore.inspect(store).list_info()
-    assert [i.session_id for i in infos] == ["local/long"] and infos[0].tokens >= first.usage.prompt_tokens
+    assert [i.session_id for i in infos] == ["local/broken", "local/long"]
+    assert infos[1].tokens >= first.usage.prompt_tokens
+    # Damage one byte of "broken"'s payload: resuming it must fail clearly and change nothing.
+    segment = SessionStore.inspect(store).files_of("local/broken")[-1]
+    damaged = bytearray(segment.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # inside the KV payload
+    segment.write_bytes(bytes(damaged))
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And what is 8 squared?"},
@@ -323,6 +332,12 @@ def test_restart_resumes_sessions_and_a_dead_worker_is_replaced(tmp_path):
             model=server.model, messages=messages, temperature=0, max_tokens=24, extra_headers={"X-Session-Id": "long"}
         )
         usage = resumed.usage
+        with pytest.raises(openai.ConflictError) as info:
+            client.chat.completions.create(
+                model=server.model, messages=QUESTION, max_tokens=4, extra_headers={"X-Session-Id": "broken"}
+            )
+        assert info.value.code == "session_unresumable" and "segment" in info.value.message
+        assert segment.read_bytes() == bytes(damaged)  # left as it was, for the operator
         assert usage.prompt_tokens > 900
         assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
         cold = client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=24)

@@ -41,6 +41,8 @@ def test_defaults_follow_openai():
     # OpenAI's defaults: temperature 1, top_p 1, no length limit but the context.
     assert r.params.temperature == 1.0 and r.params.top_p == 1.0 and r.params.max_new_tokens == -1
     assert r.messages == [{"role": "user", "content": "hi"}]
+    assert r.params.stop_token_ids is None  # the model's end-of-turn tokens
+    assert chat(ignore_eos=True).params.stop_token_ids == []
 
 
 def test_fields_map_to_generation_params():
@@ -96,6 +98,7 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"stop": [""]}, "invalid_value"),
         ({"seed": -1}, "invalid_value"),
         ({"stream": "yes"}, "invalid_value"),
+        ({"ignore_eos": 1}, "invalid_value"),
         ({"stream_options": {"include_usage": True}}, "invalid_value"),  # without stream
         ({"session_id": "a/b"}, "invalid_session_id"),
         ({"session_id": "x" * 129}, "invalid_session_id"),
