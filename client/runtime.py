@@ -305,7 +305,8 @@ class SessionRuntime:
         # the rest are QUEUED in arrival order. A lane is removed when it empties.
         self._lanes: dict[str, deque[_Op]] = {}
         self._admitted = 0
-        self._evicting = 0  # evictions running (internal operations; not admitted)
+        # Internal operations running: evictions, closes and saves outside the capacity (not admitted).
+        self._evicting = 0
         self._all_settled = trio.Event()  # set while nothing is admitted or evicting
         self._all_settled.set()
         self._closing = False
@@ -357,17 +358,29 @@ class SessionRuntime:
 
     # -- admission and leases ---------------------------------------------------------------------
 
-    def _admit(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> _Op:
-        """Queue ``body`` in its session's lane, or raise at once. Does not block."""
+    def _admit(
+        self,
+        session_id: str,
+        body: Callable[[], Awaitable[Any]],
+        *,
+        follows_caller: bool = False,
+        outside_capacity: bool = False,
+    ) -> _Op:
+        """Queue ``body`` in its session's lane, or raise at once. Does not block.
+        ``outside_capacity``: not admitted against the capacity (nor counted in ``admitted``); it
+        still waits for its session's lease like any operation."""
         if self._closing:
             raise ClientClosedError("the session runtime is closing")
         if not isinstance(session_id, str) or not session_id:
             raise InvalidArgument(f"session id must be a non-empty string, got {session_id!r}")
-        if self._admitted >= self.capacity:
+        if not outside_capacity and self._admitted >= self.capacity:
             raise CapacityExhausted(f"{self._admitted} operations are admitted (capacity {self.capacity})")
-        op = _Op(session_id, body, follows_caller=follows_caller)
+        op = _Op(session_id, body, follows_caller=follows_caller, internal=outside_capacity)
+        if outside_capacity:
+            self._evicting += 1  # counted with the evictions: settled before the worker closes
         self._enqueue(op)
-        self._admitted += 1
+        if not outside_capacity:
+            self._admitted += 1
         self._touch(session_id)
         return op
 
@@ -433,8 +446,15 @@ class SessionRuntime:
         if self._admitted == 0 and self._evicting == 0:
             self._all_settled.set()
 
-    async def _call(self, session_id: str, body: Callable[[], Awaitable[Any]], *, follows_caller: bool = False) -> Any:
-        op = self._admit(session_id, body, follows_caller=follows_caller)
+    async def _call(
+        self,
+        session_id: str,
+        body: Callable[[], Awaitable[Any]],
+        *,
+        follows_caller: bool = False,
+        outside_capacity: bool = False,
+    ) -> Any:
+        op = self._admit(session_id, body, follows_caller=follows_caller, outside_capacity=outside_capacity)
         try:
             await op.done.wait()
         except trio.Cancelled:
@@ -606,7 +626,8 @@ class SessionRuntime:
         return await self._call(session_id, body)
 
     async def close_session(self, session_id: str) -> None:
-        """Close a session. An evicted one is only forgotten: its file stays in the store, as after a save."""
+        """Close a session. An evicted one is only forgotten: its file stays in the store, as after a save.
+        Never refused for capacity: a close frees what the capacity protects."""
 
         async def body() -> None:
             tracked = self._sessions.get(session_id)
@@ -622,7 +643,7 @@ class SessionRuntime:
             finally:
                 self._freeing -= live
 
-        return await self._call(session_id, body)
+        return await self._call(session_id, body, outside_capacity=True)
 
     async def reset_session(self, session_id: str) -> None:
         """Forget a session's history and keep it open. An evicted one is not loaded: it stays
@@ -637,10 +658,12 @@ class SessionRuntime:
 
         return await self._call(session_id, body)
 
-    async def save_session(self, session_id: str) -> None:
+    async def save_session(self, session_id: str, *, outside_capacity: bool = False) -> None:
         """Save the session to the client's store after every earlier operation on it (a running
         generation included). For an evicted session there is nothing to do: its file already holds
-        its committed state (Unsaveable if it had none)."""
+        its committed state (Unsaveable if it had none). ``outside_capacity=True``: not admitted
+        against the capacity, for saves a server makes on its own (after each turn), which must
+        neither fail for capacity nor take it from clients."""
 
         async def body() -> None:
             tracked = self._sessions.get(session_id)
@@ -650,7 +673,7 @@ class SessionRuntime:
                 return
             await self.client.save_session(session_id)
 
-        return await self._call(session_id, body, follows_caller=True)
+        return await self._call(session_id, body, follows_caller=True, outside_capacity=outside_capacity)
 
     async def resume_session(self, session_id: str) -> str:
         """Restore the session's saved file into a new live session of that id; returns the id.

@@ -7,16 +7,16 @@ Prints one markdown table:
    directly (``SessionRuntime`` in this process), on the same worker flags. Each session first
    takes a short turn (prefill off the clock); the measured turn resends its prompt, so it reuses
    the history and only decodes ``--tokens`` tokens (``ignore_eos``).
-2. **Server overhead per streamed token**: at one client, the median inter-token gap through HTTP
-   minus the one through the trio client; and the server's own median from
-   ``muxworker_stream_overhead_seconds`` (from the runtime handing over a delta to the bytes handed
-   to hypercorn).
+2. **Server time per streamed token**: the median of ``muxworker_stream_overhead_seconds`` (from
+   the runtime handing over a delta to hypercorn taking its bytes) in each run, next to the
+   inter-token gaps through both; and the same app alone, fed a scripted stream (no model).
 3. **Resume after a restart**: sessions of ~2,000 tokens are made, the server is stopped (SIGTERM)
    and started again; the time to first token of the next turn (resumed from the store) vs the
    same conversation sent stateless (prefilled cold), median of ``--repeats``.
 
     python scripts/bench_server.py                  # the bundled SmolLM2-135M-Instruct
     python scripts/bench_server.py --clients 16 --tokens 128 --repeats 3
+    python scripts/bench_server.py --threads 1      # leave the server a core of its own
 """
 
 from __future__ import annotations
@@ -31,8 +31,18 @@ from pathlib import Path
 
 import httpx
 import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
 
-from muxworker.client import GenerationParams, SessionRuntime, default_worker_command, spawn_multiplexed_worker
+from muxworker.client import (
+    GenerationParams,
+    GenerationResult,
+    SessionRuntime,
+    default_worker_command,
+    spawn_multiplexed_worker,
+)
+from muxworker.serve.app import AppConfig, create_app
+from muxworker.serve.metrics import ServerMetrics
 from muxworker.serve.process import ServerProcess
 from muxworker.worker.models.loader import resolve_model
 
@@ -43,8 +53,8 @@ def _messages(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} and the number {i}."}]
 
 
-def _flags(clients: int, tokens: int) -> list[str]:
-    return [
+def _flags(clients: int, tokens: int, threads: int | None) -> list[str]:
+    return (["--threads", str(threads)] if threads else []) + [
         "--max_sessions",
         str(clients),
         "--max_decode_sequences",
@@ -170,6 +180,71 @@ def _histogram_median(before: str, after: str, name: str) -> float:
     return float("nan")
 
 
+# -- the server alone ------------------------------------------------------------------------------
+
+
+class _ScriptedStream:
+    """A stream of ``n`` one-word deltas, one per millisecond: the server's own cost per delta
+    with no model in the process (the real app, hypercorn, h11 and the socket)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.finished = n, False
+
+    def __aiter__(self) -> _ScriptedStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self.n == 0:
+            self.finished = True
+            raise StopAsyncIteration
+        self.n -= 1
+        await trio.sleep(0.001)
+        return " word"
+
+    async def wait(self) -> GenerationResult:
+        return GenerationResult("length", 3, 0, 3, 0, [], 0.0, 0.0)
+
+    def cancel(self) -> None:
+        pass
+
+
+class _ScriptedService:
+    ready, last_error = True, None
+
+    async def render_chat(self, messages: list) -> list[int]:
+        return [1, 2, 3]
+
+    async def open_ephemeral(self, tenant: object) -> tuple[str, None]:
+        return "s", None
+
+    def generate(self, *args: object) -> tuple[_ScriptedStream, None]:
+        return _ScriptedStream(2000), None
+
+    def release_ephemeral(self, *args: object) -> None:
+        pass
+
+
+async def _server_alone() -> float:
+    """Median seconds the real app spends per streamed delta, fed by a scripted stream."""
+    metrics = ServerMetrics()
+    seen: list[float] = []
+    observe = metrics.stream_overhead.observe
+    metrics.stream_overhead.observe = lambda v: (seen.append(v), observe(v))  # type: ignore[method-assign]
+    app = create_app(_ScriptedService(), metrics, AppConfig("m"))  # type: ignore[arg-type]
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0]) as http:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_raw():
+                    pass
+        nursery.cancel_scope.cancel()
+    return statistics.median(seen)
+
+
 # -- resume after a restart -----------------------------------------------------------------------
 
 
@@ -241,9 +316,15 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--tokens", type=int, default=128, help="tokens each client decodes in the measured turn")
     p.add_argument("--repeats", type=int, default=3, help="long sessions for the restart figure")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the worker's --threads (default: one per physical core, leaving the server none of its own)",
+    )
     args = p.parse_args()
     model_dir = resolve_model(args.model, progress=sys.stderr)
-    flags = _flags(args.clients, args.tokens)
+    flags = _flags(args.clients, args.tokens, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         rows = []
@@ -257,8 +338,10 @@ def main() -> int:
                 rows.append((clients, direct, http))
             model_name = server.model
         restart = _restart(tmp_path / "restart-store", flags, args.repeats, tmp_path)
+    alone_ms = 1000 * trio.run(_server_alone)
 
-    print(f"\n## HTTP server vs the trio client ({model_name}, {args.tokens} decoded tokens per client)\n")
+    threads = f", worker --threads {args.threads}" if args.threads else ""
+    print(f"\n## HTTP server vs the trio client ({model_name}, {args.tokens} decoded tokens per client{threads})\n")
     print(
         "| clients | trio client tok/s | HTTP tok/s | ratio (target >= 0.85) | ITL trio (ms) | ITL HTTP (ms) "
         "| server time per token (ms, target < 0.3) |"
@@ -273,7 +356,8 @@ def main() -> int:
     print(
         "\nServer time per token: the median of muxworker_stream_overhead_seconds over that run (from the "
         "runtime handing a delta over to hypercorn taking its bytes; with many streams it includes waiting "
-        "for the event loop while other streams are served)."
+        "for the event loop while other streams are served). The server alone (the same app fed a scripted "
+        f"stream of 2,000 deltas, no model in the process): {alone_ms:.3f} ms per delta."
     )
     ratio = restart["resumed_ttft_ms"] / restart["cold_ttft_ms"]
     print(

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -131,6 +132,27 @@ async def _run(args: argparse.Namespace, worker_command: list[str], store: Sessi
     return 0
 
 
+def _check_flags(args: argparse.Namespace) -> str | None:
+    """What is wrong with the server's flags, found before the worker starts (which takes a while)."""
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in 0..65535, got {args.port}"
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        return f"--max-concurrent-requests must be at least 1, got {args.max_concurrent_requests}"
+    if args.max_request_bytes < 1024:
+        return f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}"
+    if not args.graceful_timeout >= 0:
+        return f"--graceful-timeout must be >= 0, got {args.graceful_timeout}"
+    if args.port:
+        try:
+            family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((args.host, args.port))
+        except OSError as exc:
+            return f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+    return None
+
+
 def _default_name(model: str | None) -> str:
     """The model id clients send by default: the file or directory name the user gave, without
     ``.gguf`` (the worker's own name for a GGUF is its conversion directory's)."""
@@ -146,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         if flag.split("=", 1)[0] in _RESERVED:
             print(f"muxworker serve: {flag} is set by the server itself", file=sys.stderr)
             return 2
+    problem = _check_flags(args)
+    if problem is not None:
+        print(f"muxworker serve: {problem}", file=sys.stderr)
+        return 2
     keys = tuple(args.api_key) + ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
     if any(not k.strip() or k != k.strip() for k in keys):
         print("muxworker serve: an API key must be non-empty, without surrounding spaces", file=sys.stderr)

@@ -40,6 +40,7 @@ log = logging.getLogger("muxworker.serve")
 
 SESSION_HEADER = "x-session-id"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0  # a request body dripping in slower than this holds no connection longer
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ def _endpoint(guard: _Guard, name: str, *, auth: bool = True) -> Callable:
             try:
                 tenant = guard.tenant(request.headers) if auth else Tenant.of_key(None)
                 response = await handler(request, tenant)
-            except (oa.APIError, MuxError) as exc:
+            except Exception as exc:  # every error is an OpenAI error object, never a bare 500 page
+                if not isinstance(exc, (oa.APIError, MuxError)):
+                    log.exception("%s failed", name)
                 response = _error_response(oa.error_from_mux(exc))
             guard.count(name, response.status_code)
             return response
@@ -145,10 +148,13 @@ class _GenerationEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
-        status = 200
+        status = 499  # unless set below: cancelled (the server's graceful timeout) or gone
         try:
             status = await self._serve(scope, receive, send, t0)
-        except oa.APIError as err:
+        except Exception as exc:  # every error is an OpenAI error object, never a bare 500 page
+            err = oa.error_from_mux(exc)
+            if not isinstance(exc, (oa.APIError, MuxError)):
+                log.exception("%s failed", self.name)
             status = err.status
             if status != 499:
                 await _error_response(err)(scope, receive, send)
@@ -158,7 +164,11 @@ class _GenerationEndpoint:
     async def _serve(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         request = Request(scope, receive)
         tenant = self.guard.tenant(request.headers)
-        body = oa.parse_json(await read_body(receive, request.headers, self.config.max_request_bytes))
+        with trio.move_on_after(BODY_TIMEOUT_S) as body_scope:
+            raw = await read_body(receive, request.headers, self.config.max_request_bytes)
+        if body_scope.cancelled_caught:
+            raise oa.APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", code="timeout")
+        body = oa.parse_json(raw)
         served = self.config.served_model_name
         parsed = oa.parse_chat_request(body, served) if self.chat else oa.parse_completion_request(body, served)
         header_sid = request.headers.get(SESSION_HEADER)
@@ -177,14 +187,16 @@ class _GenerationEndpoint:
             if public_sid is not None:
                 sid = internal_id(tenant, public_sid)
                 await self.service.ensure_session(sid)
+                runtime = None
             else:
-                sid = await self.service.open_ephemeral(tenant)
+                sid, runtime = await self.service.open_ephemeral(tenant)
         except MuxError as exc:
             raise oa.error_from_mux(exc) from None
         try:
-            stream = self.service.generate(sid, prompt, parsed.params, tenant.cache_salt(parsed.cache_salt))
+            stream, runtime = self.service.generate(sid, prompt, parsed.params, tenant.cache_salt(parsed.cache_salt))
         except MuxError as exc:
-            self._settled(sid, public_sid, turn=False)
+            if runtime is not None:  # the stateless session opened for it
+                self.service.release_ephemeral(runtime, sid)
             raise oa.error_from_mux(exc) from None
         self.metrics.in_flight.inc()
         try:
@@ -207,13 +219,11 @@ class _GenerationEndpoint:
         finally:
             self.metrics.in_flight.dec()
             stream.cancel()  # a no-op once it has ended
-            self._settled(sid, public_sid, turn=True)
-
-    def _settled(self, sid: str, public_sid: str | None, *, turn: bool) -> None:
-        if public_sid is None:
-            self.service.release_ephemeral(sid)
-        elif turn:
-            self.service.after_turn(sid)
+            # Both wait behind the generation on the session's lease, in the background.
+            if public_sid is None:
+                self.service.release_ephemeral(runtime, sid)
+            else:
+                self.service.after_turn(runtime, sid)
 
     async def _watch_disconnect(self, receive: Receive, stream: RuntimeStream) -> None:
         while True:
@@ -260,8 +270,11 @@ class _GenerationEndpoint:
             first = None
         except MuxError as exc:
             raise oa.error_from_mux(exc) from None
+        if first is None and (await stream.wait()).finish_reason == "cancelled":
+            return 499  # the client went away before the first token: nobody to answer
         now = time.perf_counter()
-        self.metrics.ttft.observe(now - t0)
+        if first is not None:
+            self.metrics.ttft.observe(now - t0)
         writer = oa.ChunkWriter(oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat)
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         if sid is not None:

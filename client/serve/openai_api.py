@@ -27,6 +27,7 @@ from muxworker.client.errors import (
     NotReady,
     SessionBusy,
     SessionNotFound,
+    Unsaveable,
     WorkerDiedError,
 )
 from muxworker.client.params import GenerationParams, GenerationResult
@@ -53,7 +54,22 @@ MAX_CACHE_SALT_CHARS = 128  # the server prefixes the tenant; the wire bound is 
 
 # Fields accepted and ignored: OpenAI clients and agent frameworks send them, and they change
 # nothing here (``user`` and ``metadata`` are labels; ``store`` is OpenAI's own log).
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# ``prompt_cache_key`` and ``safety_identifier`` are OpenAI's routing and abuse hints (reuse here is
+# the session's and the prefix cache's, scoped by tenant and cache_salt); ``reasoning_effort`` and
+# ``verbosity`` only steer reasoning models.
+_IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+        "reasoning_effort",
+        "verbosity",
+    }
+)
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _COMMON = frozenset(
     {
@@ -71,7 +87,7 @@ _COMMON = frozenset(
     }
 )
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
-_CHAT_FIELDS |= {"response_format", "logit_bias"}
+_CHAT_FIELDS |= {"response_format", "logit_bias", "functions", "function_call", "modalities"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", "logit_bias"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -128,9 +144,12 @@ def error_from_mux(exc: BaseException) -> APIError:
         return APIError(409, str(exc), code="session_busy")
     if isinstance(exc, SessionNotFound):
         return APIError(404, str(exc), code="session_not_found")
+    if isinstance(exc, Unsaveable):
+        return APIError(409, str(exc), code="unsaveable")
     if isinstance(exc, CheckpointError):
+        # 422, not 409: the SDKs retry a 409, and a damaged or foreign file stays so.
         return APIError(
-            409,
+            422,
             f"the session's saved state cannot be used: {exc}. Its files are left untouched; "
             "DELETE /v1/sessions/{id} to start it over",
             code="session_unresumable",
@@ -182,8 +201,8 @@ class CompletionRequest(_Common):
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5,000-digit number, deep nesting
+        raise bad_request(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
@@ -206,9 +225,13 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"{name} must be a number, got {value!r:.80}", param=name)
-    return float(value)
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond a float's range
+        number = math.nan
+    if not math.isfinite(number):
+        raise bad_request(f"{name} must be a finite number, got {value!r:.80}", param=name)
+    return number
 
 
 def _integer(body: Mapping[str, Any], name: str) -> int | None:
@@ -234,7 +257,7 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
             raise bad_request(
                 f"stream_options must be {{'include_usage': bool}}, got {options!r:.80}", "stream_options"
             )
@@ -331,6 +354,9 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ChatReques
     _absent_or(body, "tools", [])
     _absent_or(body, "tool_choice", "none", "auto")
     _absent_or(body, "response_format", {"type": "text"})
+    _absent_or(body, "functions", [])
+    _absent_or(body, "function_call", "none", "auto")
+    _absent_or(body, "modalities", ["text"])
     common = _common(body, served_model, "max_completion_tokens")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -339,12 +365,13 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ChatReques
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", param="messages")
-        role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        given = m.get("role")
+        role = _ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise bad_request(
-                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.get('role')!r:.40}",
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {given!r:.40}",
                 param="messages",
-                code="unsupported" if m.get("role") in ("tool", "function") else "invalid_value",
+                code="unsupported" if given in ("tool", "function") else "invalid_value",
             )
         if m.get("tool_calls"):
             raise bad_request(f"messages[{i}]: tool calls are not supported", param="messages", code="unsupported")

@@ -100,11 +100,12 @@ class ModelService:
         self._stopping = False
         self._nursery: trio.Nursery | None = None  # background saves and closes
         self._dirty: set[str] = set()  # internal ids with turns not yet in the store
-        self._opening: dict[str, trio.Lock] = {}  # serializes first use of a session
+        self._opening: dict[str, list] = {}  # sid -> [lock, users]: serializes a session's first use
         self._background = 0  # background tasks running (saves after turns, closes)
         self._idle = trio.Event()  # set while none runs
         self._idle.set()
         self._stopped = trio.Event()  # set when shutdown() is done
+        self._restarting = trio.CancelScope()  # around the supervisor's restarts; shutdown() cancels it
         self.restarts = 0
         self.last_error: str | None = None
         metrics.bind_sessions(lambda: self._runtime.session_stats if self._runtime is not None else {})
@@ -138,32 +139,34 @@ class ModelService:
             raise startup_error
 
     async def _supervise(self, nursery: trio.Nursery) -> None:
-        """Restart the worker whenever it dies, until :meth:`shutdown` is done."""
+        """Restart the worker whenever it dies, until :meth:`shutdown`, which cancels a restart in
+        progress (a start, or the wait before one)."""
         backoff = self.config.restart_backoff_s
-        while True:
-            while self.ready and not self._stopping:
-                await trio.sleep(_POLL_S)
-            if self._stopping:
-                break
-            self._ready = trio.Event()
-            self.metrics.worker_up.set(0)
-            client = self._client
-            code = client.returncode if client is not None else None
-            self.last_error = "the worker died" + (f" (exit status {code})" if code is not None else "")
-            log.warning("%s; restarting it", self.last_error)
-            await self._drop_worker()
-            self.metrics.worker_restarts.inc()
-            self.restarts += 1
+        with self._restarting:
             while not self._stopping:
-                try:
-                    await self._start_worker(nursery)
-                    backoff = self.config.restart_backoff_s
+                while self.ready and not self._stopping:
+                    await trio.sleep(_POLL_S)
+                if self._stopping:
                     break
-                except WorkerDiedError as exc:
-                    self.last_error = f"the worker did not restart: {exc}"
-                    log.error("%s; trying again in %.0f s", self.last_error, backoff)
-                    await trio.sleep(backoff)
-                    backoff = min(30.0, backoff * 2)
+                self._ready = trio.Event()
+                self.metrics.worker_up.set(0)
+                client = self._client
+                code = client.returncode if client is not None else None
+                self.last_error = "the worker died" + (f" (exit status {code})" if code is not None else "")
+                log.warning("%s; restarting it", self.last_error)
+                await self._drop_worker()
+                self.metrics.worker_restarts.inc()
+                self.restarts += 1
+                while not self._stopping:
+                    try:
+                        await self._start_worker(nursery)
+                        backoff = self.config.restart_backoff_s
+                        break
+                    except Exception as exc:  # a start that fails in any way is tried again later
+                        self.last_error = f"the worker did not restart: {type(exc).__name__}: {exc}"
+                        log.error("%s; trying again in %.0f s", self.last_error, backoff)
+                        await trio.sleep(backoff)
+                        backoff = min(30.0, backoff * 2)
         await self._stopped.wait()  # shutdown() has saved what it could and closed the worker
         nursery.cancel_scope.cancel()
 
@@ -191,10 +194,15 @@ class ModelService:
             nursery=nursery,
             startup_timeout=self.config.startup_timeout_s,
         )
-        self._client = client
-        self._runtime = SessionRuntime(
-            client, max_concurrent_requests=self.config.max_concurrent_requests, evict_idle_to_store=True
-        )
+        try:
+            runtime = SessionRuntime(
+                client, max_concurrent_requests=self.config.max_concurrent_requests, evict_idle_to_store=True
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await client.close()
+            raise
+        self._client, self._runtime = client, runtime
         self._dirty.clear()  # what the dead worker held unsaved is gone with it
         self._ready.set()
         self.metrics.worker_up.set(1)
@@ -216,6 +224,7 @@ class ModelService:
             await self._stopped.wait()
             return
         self._stopping = True
+        self._restarting.cancel()
         try:
             with trio.move_on_after(self.config.shutdown_timeout_s) as scope:
                 await self._idle.wait()
@@ -246,17 +255,23 @@ class ModelService:
 
     async def ensure_session(self, sid: str) -> bool:
         """Make ``sid`` usable: live or evicted already, else resumed from the store when saved
-        there, else opened empty. Returns whether it was resumed now."""
+        there, else opened empty. Returns whether it was resumed now. Concurrent first requests
+        for one session wait for each other here, so it is resumed (or opened) once."""
         _, runtime = self._live()
         if runtime.session_state(sid) is not None:
             return False
-        lock = self._opening.setdefault(sid, trio.Lock())
+        entry = self._opening.get(sid)
+        if entry is None:
+            entry = self._opening[sid] = [trio.Lock(), 0]
+        entry[1] += 1  # tasks using this lock; the last one out removes it
         try:
-            async with lock:
+            async with entry[0]:
                 if runtime.session_state(sid) is not None:
                     return False
                 try:
                     await runtime.resume_session(sid)
+                except SessionExists:
+                    return False  # another path made it usable meanwhile
                 except CheckpointNotFound:
                     try:
                         await runtime.open_session(sid)
@@ -266,38 +281,46 @@ class ModelService:
                 self.metrics.resumes.inc()
                 return True
         finally:
-            if not lock.statistics().tasks_waiting and self._opening.get(sid) is lock:
+            entry[1] -= 1
+            if entry[1] == 0:
                 del self._opening[sid]
 
-    async def open_ephemeral(self, tenant: Tenant) -> str:
-        """A session for one stateless request (never evicted, so it never leaves a file)."""
+    async def open_ephemeral(self, tenant: Tenant) -> tuple[str, SessionRuntime]:
+        """A session for one stateless request (never evicted, so it never leaves a file), and
+        the runtime holding it (for :meth:`release_ephemeral`)."""
         _, runtime = self._live()
         sid = f"{tenant.prefix}~{uuid.uuid4().hex}"
         await runtime.open_session(sid, evictable=False)
-        return sid
+        return sid, runtime
 
-    def release_ephemeral(self, sid: str) -> None:
+    def release_ephemeral(self, runtime: SessionRuntime, sid: str) -> None:
         """Close a stateless request's session once its generation has settled (in the background:
-        the response does not wait). Its history becomes a prefix-cache entry of its namespace."""
-        if self._runtime is not None:
-            self._spawn(self._close_ephemeral, self._runtime, sid)
+        the response does not wait). Its history becomes a prefix-cache entry of its namespace.
+        Nothing to do if ``runtime`` (the one that served it) is gone with its worker."""
+        if runtime is self._runtime:
+            self._spawn(self._close_ephemeral, runtime, sid)
 
     async def _close_ephemeral(self, runtime: SessionRuntime, sid: str) -> None:
         try:
-            await runtime.close_session(sid)
-        except Exception as exc:  # the worker died meanwhile: nothing to close
-            log.debug("closing %s: %r", sid, exc)
+            await runtime.close_session(sid)  # never refused for capacity
+        except Exception as exc:  # the worker died meanwhile: nothing is left to close
+            log.info("closing %s: %s: %s", sid, type(exc).__name__, exc)
 
-    def after_turn(self, sid: str) -> None:
-        """A turn of ``sid`` settled: save it now (in the background) or mark it for later."""
+    def after_turn(self, runtime: SessionRuntime, sid: str) -> None:
+        """A turn of ``sid`` settled on ``runtime``: save it now (in the background) or mark it
+        for later. Nothing to do if that runtime is gone with its worker (the new one resumes the
+        session from what the store holds)."""
+        if runtime is not self._runtime:
+            return
         self._dirty.add(sid)
-        runtime = self._runtime
-        if self.config.save_policy is SavePolicy.TURN and runtime is not None:
+        if self.config.save_policy is SavePolicy.TURN:
             self._spawn(self._save, runtime, sid)
 
     async def _save(self, runtime: SessionRuntime, sid: str) -> bool:
         try:
-            await runtime.save_session(sid)
+            # Outside the capacity: a save the server makes on its own never fails under load
+            # and never takes capacity from clients.
+            await runtime.save_session(sid, outside_capacity=True)
         except Unsaveable:
             self.metrics.saves.labels("nothing_to_save").inc()
             self._dirty.discard(sid)
@@ -315,7 +338,7 @@ class ModelService:
         _, runtime = self._live()
         if runtime.session_state(sid) is None:
             return await self.session_info(sid)  # not live: the store already has what there is
-        await runtime.save_session(sid)
+        await runtime.save_session(sid)  # Unsaveable (nothing committed) is the caller's 409
         self._dirty.discard(sid)
         self.metrics.saves.labels("ok").inc()
         return await self.session_info(sid)
@@ -360,10 +383,13 @@ class ModelService:
         prompt = await client.apply_chat_template(messages, add_generation_prompt=True)
         return prompt.token_ids
 
-    def generate(self, sid: str, prompt: str | list[int], params: GenerationParams, cache_salt: str) -> RuntimeStream:
-        """Admit the generation at once (CapacityExhausted beyond the capacity)."""
+    def generate(
+        self, sid: str, prompt: str | list[int], params: GenerationParams, cache_salt: str
+    ) -> tuple[RuntimeStream, SessionRuntime]:
+        """Admit the generation at once (CapacityExhausted beyond the capacity); returns its stream
+        and the runtime that runs it (for :meth:`after_turn` and :meth:`release_ephemeral`)."""
         _, runtime = self._live()
-        return runtime.generate(sid, prompt, replace(params, session_id=sid, cache_salt=cache_salt))
+        return runtime.generate(sid, prompt, replace(params, session_id=sid, cache_salt=cache_salt)), runtime
 
 
 def session_object(tenant: Tenant, sid: str, state: str | None, info: SessionInfo | None) -> dict[str, Any]:

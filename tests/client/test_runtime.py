@@ -125,6 +125,31 @@ async def test_a_request_beyond_capacity_fails_at_once(client):
         assert runtime.admitted == 0 and runtime.leased_sessions == 0
 
 
+async def test_closes_and_server_saves_are_never_refused_for_capacity(client, store):
+    # A server closes its one-request sessions and saves after each turn on its own: neither may
+    # fail when clients fill the capacity (a refused close would hold its slot for good), nor
+    # take capacity from them.
+    runtime = SessionRuntime(client, max_concurrent_requests=1)
+    with trio.fail_after(HANG_GUARD_S):
+        for sid in ("a", "b"):
+            await runtime.open_session(sid)
+        await runtime.generate("b", PROMPT, greedy(4)).wait()
+        busy = runtime.generate("a", PROMPT, greedy(LONG))
+        await first_delta(busy)
+        assert runtime.admitted == 1
+        with pytest.raises(CapacityExhausted):
+            await runtime.save_session("b")
+        await runtime.save_session("b", outside_capacity=True)
+        assert runtime.admitted == 1 and await trio.to_thread.run_sync(store.list) == ["b"]
+        await runtime.close_session("b")
+        assert runtime.admitted == 1 and runtime.session_state("b") is None
+        with pytest.raises(CapacityExhausted):
+            runtime.generate("a", PROMPT, greedy(4))  # the client's capacity is as it was
+        busy.cancel()
+        assert (await busy.wait()).finish_reason == "cancelled"
+        assert runtime.admitted == 0 and runtime.leased_sessions == 0
+
+
 async def test_params_naming_another_session_are_refused(runtime):
     with pytest.raises(InvalidArgument, match="'b'"):
         runtime.generate("a", PROMPT, GenerationParams(session_id="b", max_new_tokens=4))

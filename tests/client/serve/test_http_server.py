@@ -246,6 +246,23 @@ def test_capacity_gives_429(tmp_path):
         assert info.value.status_code == 429 and info.value.response.headers["retry-after"] == "1"
         long.close()
 
+        # Stateless requests refused under load leave no session behind in the worker's slots.
+        def stateless(_: int) -> int:
+            try:
+                client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2)
+                return 200
+            except openai.RateLimitError:
+                return 429
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(stateless, range(16)))
+        assert 200 in codes and 429 in codes, codes
+        deadline = time.monotonic() + 30
+        while _metric(server, 'muxworker_sessions{state="live"}') > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _metric(server, 'muxworker_sessions{state="live"}') == 0
+        assert client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2).choices
+
 
 def test_api_keys_tenants_and_cache_salt(tmp_path):
     args = [
@@ -332,7 +349,7 @@ def test_restart_resumes_sessions_and_a_dead_worker_is_replaced(tmp_path):
             model=server.model, messages=messages, temperature=0, max_tokens=24, extra_headers={"X-Session-Id": "long"}
         )
         usage = resumed.usage
-        with pytest.raises(openai.ConflictError) as info:
+        with pytest.raises(openai.UnprocessableEntityError) as info:
             client.chat.completions.create(
                 model=server.model, messages=QUESTION, max_tokens=4, extra_headers={"X-Session-Id": "broken"}
             )

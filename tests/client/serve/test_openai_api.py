@@ -16,6 +16,7 @@ from muxworker.client import (
     ContextOverflow,
     GenerationResult,
     InvalidArgument,
+    Unsaveable,
     WorkerDiedError,
 )
 from muxworker.serve import openai_api as oa
@@ -60,6 +61,7 @@ def test_fields_map_to_generation_params():
         session_id="s-1",
         cache_salt="salt",
         user="ignored",
+        prompt_cache_key="ignored too",
     )
     p = r.params
     assert (p.temperature, p.top_p, p.max_new_tokens, list(p.stop), p.seed) == (0.0, 0.5, 9, ["\n"], 3)
@@ -108,6 +110,10 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"messages": [{"role": "tool", "content": "x"}]}, "unsupported"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "unsupported"),
         ({"messages": [{"role": "user", "content": 5}]}, "invalid_value"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "invalid_value"),
+        ({"temperature": 10**400}, "invalid_value"),
+        ({"functions": [{"name": "f"}]}, "unsupported"),
+        ({"modalities": ["audio"]}, "unsupported"),
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_problem(fields, code):
@@ -125,7 +131,7 @@ def test_completion_prompts():
 
 def test_parse_json():
     assert oa.parse_json(b'{"a": 1}') == {"a": 1}
-    for raw in (b"{", b"[1]", b"\xff"):
+    for raw in (b"{", b"[1]", b"\xff", b"[" * 100_000, b"1" * 5000):
         with pytest.raises(oa.APIError) as info:
             oa.parse_json(raw)
         assert info.value.code == "invalid_json"
@@ -137,7 +143,8 @@ def test_parse_json():
         (ContextOverflow("too long"), 400, "context_length_exceeded"),
         (InvalidArgument("bad"), 400, "invalid_value"),
         (CapacityExhausted("full"), 429, "capacity"),
-        (CheckpointCorrupt("crc"), 409, "session_unresumable"),
+        (CheckpointCorrupt("crc"), 422, "session_unresumable"),  # not 409, which the SDKs retry
+        (Unsaveable("empty"), 409, "unsaveable"),
         (WorkerDiedError("gone"), 503, "worker_unavailable"),
         (RuntimeError("boom"), 500, "internal_error"),
     ],
