@@ -6,7 +6,9 @@ writing their own locks:
 - **Admission.** At most ``capacity`` operations (generations, lifecycle and checkpoint calls) are
   admitted at once: ``min(worker's max_inflight_requests, max_concurrent_requests)``. One more fails
   at once with :class:`CapacityExhausted`; nothing waits in a hidden queue. An operation waiting for
-  its session's lease counts as admitted.
+  its session's lease counts as admitted. Two operations wait for their lease but are never
+  refused or counted: ``close_session`` (it frees what the capacity protects) and
+  ``save_session(..., outside_capacity=True)`` (a server's own saves after each turn).
 - **Leases.** Each session has a lane: its admitted operations run one at a time, first come first
   served, in the order of the calls (``generate`` admits when called, the async calls when awaited).
   The operation at the head of a lane holds the lease until it settles; different sessions run

@@ -7,9 +7,10 @@ Prints one markdown table:
    directly (``SessionRuntime`` in this process), on the same worker flags. Each session first
    takes a short turn (prefill off the clock); the measured turn resends its prompt, so it reuses
    the history and only decodes ``--tokens`` tokens (``ignore_eos``).
-2. **Server time per streamed token**: the median of ``muxworker_stream_overhead_seconds`` (from
-   the runtime handing over a delta to hypercorn taking its bytes) in each run, next to the
-   inter-token gaps through both; and the same app alone, fed a scripted stream (no model).
+2. **Server overhead per streamed token**: the CPU the server process spends per token beyond what
+   the same trio client and runtime spend in this process for the same workload (kernel counters);
+   the server's own wall time per delta (``muxworker_stream_overhead_seconds``); and the same app
+   alone, fed a scripted stream (no model).
 3. **Resume after a restart**: sessions of ~2,000 tokens are made, the server is stopped (SIGTERM)
    and started again; the time to first token of the next turn (resumed from the store) vs the
    same conversation sent stateless (prefilled cold), median of ``--repeats``.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -92,13 +94,18 @@ async def _direct(model_dir: Path, flags: list[str], clients: int, tokens: int) 
                 last = now
             total += (await stream.wait()).completion_tokens
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as nursery:
             for i in range(clients):
                 nursery.start_soon(one, i)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         await runtime.aclose_worker()
-    return {"tokens_per_s": total / wall, "itl_ms": 1000 * statistics.median(gaps), "tokens": total}
+    return {
+        "tokens_per_s": total / wall,
+        "itl_ms": 1000 * statistics.median(gaps),
+        "tokens": total,
+        "cpu_ms_per_token": 1000 * cpu / total,  # this process: the trio client, the runtime, the loop
+    }
 
 
 def _params(sid: str, n: int) -> GenerationParams:
@@ -108,7 +115,14 @@ def _params(sid: str, n: int) -> GenerationParams:
 # -- through HTTP -----------------------------------------------------------------------------------
 
 
-async def _http(url: str, clients: int, tokens: int, tag: str) -> dict[str, float]:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used, its children not included."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _http(url: str, pid: int, clients: int, tokens: int, tag: str) -> dict[str, float]:
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
 
@@ -146,13 +160,18 @@ async def _http(url: str, clients: int, tokens: int, tag: str) -> dict[str, floa
         async def one(i: int) -> None:
             counts.append(await turn(i, tokens, gaps))
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s(pid)
         async with trio.open_nursery() as nursery:
             for i in range(clients):
                 nursery.start_soon(one, i)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
     total = sum(counts)
-    return {"tokens_per_s": total / wall, "itl_ms": 1000 * statistics.median(gaps), "tokens": total}
+    return {
+        "tokens_per_s": total / wall,
+        "itl_ms": 1000 * statistics.median(gaps),
+        "tokens": total,
+        "cpu_ms_per_token": 1000 * cpu / total,  # the server process (its worker not included)
+    }
 
 
 def _buckets(metrics: str, name: str) -> list[tuple[float, float]]:
@@ -332,7 +351,7 @@ def main() -> int:
             for clients in (args.clients, 1):
                 direct = trio.run(_direct, model_dir, flags, clients, args.tokens)
                 before = httpx.get(server.url + "/metrics").text
-                http = trio.run(_http, server.url, clients, args.tokens, f"c{clients}-")
+                http = trio.run(_http, server.url, server.pid, clients, args.tokens, f"c{clients}-")
                 after = httpx.get(server.url + "/metrics").text
                 http["server_ms"] = 1000 * _histogram_median(before, after, "muxworker_stream_overhead_seconds")
                 rows.append((clients, direct, http))
@@ -344,20 +363,25 @@ def main() -> int:
     print(f"\n## HTTP server vs the trio client ({model_name}, {args.tokens} decoded tokens per client{threads})\n")
     print(
         "| clients | trio client tok/s | HTTP tok/s | ratio (target >= 0.85) | ITL trio (ms) | ITL HTTP (ms) "
-        "| server time per token (ms, target < 0.3) |"
+        "| CPU per token, trio client / server (ms) | server overhead per token: CPU (ms, target < 0.3) "
+        "| server time per token (ms) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for clients, direct, http in rows:
         print(
             f"| {clients} | {direct['tokens_per_s']:.1f} | {http['tokens_per_s']:.1f} | "
             f"{http['tokens_per_s'] / direct['tokens_per_s']:.2f} | {direct['itl_ms']:.2f} | {http['itl_ms']:.2f} "
-            f"| {http['server_ms']:.3f} |"
+            f"| {direct['cpu_ms_per_token']:.3f} / {http['cpu_ms_per_token']:.3f} "
+            f"| {http['cpu_ms_per_token'] - direct['cpu_ms_per_token']:.3f} | {http['server_ms']:.3f} |"
         )
     print(
-        "\nServer time per token: the median of muxworker_stream_overhead_seconds over that run (from the "
-        "runtime handing a delta over to hypercorn taking its bytes; with many streams it includes waiting "
-        "for the event loop while other streams are served). The server alone (the same app fed a scripted "
-        f"stream of 2,000 deltas, no model in the process): {alone_ms:.3f} ms per delta."
+        "\nServer overhead per token: the CPU the server process spends per streamed token beyond what the "
+        "same trio client and runtime spend in this process for the same workload (both from the kernel's "
+        "counters over the measured turn; the worker's own CPU is in neither). Server time per token: the "
+        "median of muxworker_stream_overhead_seconds over that run (wall time from the runtime handing a "
+        "delta over to hypercorn taking its bytes, including other tasks that run while the send yields). "
+        f"The server alone (the same app fed a scripted stream of 2,000 deltas, no model in the process): "
+        f"{alone_ms:.3f} ms per delta."
     )
     ratio = restart["resumed_ttft_ms"] / restart["cold_ttft_ms"]
     print(

@@ -32,7 +32,7 @@ from muxworker.client.errors import (
 )
 from muxworker.client.params import GenerationParams, GenerationResult
 from muxworker.transport.errors import InvalidArgument
-from muxworker.transport.sampling import MAX_STOP_STRINGS, SamplingFields
+from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
 __all__ = [
     "APIError",
@@ -309,20 +309,12 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_request(f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
+    # GenerationParams' fields are SamplingFields' (one definition, transport/sampling.py).
     params = GenerationParams(
         session_id="",
+        **{name: getattr(fields, name) for name in SAMPLING_FIELD_NAMES if name != "stop_token_ids"},
         # vLLM's extension, for benchmarks: run to max_tokens past the model's end-of-turn tokens.
         stop_token_ids=[] if ignore_eos else None,
-        max_new_tokens=fields.max_new_tokens,
-        temperature=fields.temperature,
-        top_p=fields.top_p,
-        top_k=fields.top_k,
-        min_p=fields.min_p,
-        repetition_penalty=fields.repetition_penalty,
-        presence_penalty=fields.presence_penalty,
-        frequency_penalty=fields.frequency_penalty,
-        seed=seed,
-        stop=stop_list,
     )
     return _Common(served_model, stream, include_usage, params, session_id, salt)
 
@@ -424,39 +416,27 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def chat_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
+def _completion(kind: str, choice: dict, rid: str, model: str, result: GenerationResult, sid: str | None) -> dict:
     body = {
         "id": rid,
-        "object": "chat.completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason(result),
-            }
-        ],
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason(result)}],
         "usage": usage(result),
     }
-    if session_id is not None:
-        body["session_id"] = session_id
+    if sid is not None:
+        body["session_id"] = sid
     return body
+
+
+def chat_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
+    message = {"role": "assistant", "content": text}
+    return _completion("chat.completion", {"message": message}, rid, model, result, session_id)
 
 
 def text_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(result)}],
-        "usage": usage(result),
-    }
-    if session_id is not None:
-        body["session_id"] = session_id
-    return body
+    return _completion("text_completion", {"text": text}, rid, model, result, session_id)
 
 
 class ChunkWriter:

@@ -23,9 +23,10 @@ def test_one_definition_of_the_sampling_fields():
     """The worker's SamplingParams, the client's GenerationParams and the schema's generate entry
     name the same fields with the same defaults."""
     assert SamplingParams is SamplingFields
-    assert set(MESSAGES["generate"].optional) == set(SAMPLING_FIELD_NAMES)
+    # cache_salt rides beside the sampling fields: it scopes prefix-cache reuse, it samples nothing.
+    assert set(MESSAGES["generate"].optional) == set(SAMPLING_FIELD_NAMES) | {"cache_salt"}
     client = {f.name: f for f in dataclasses.fields(GenerationParams)}
-    assert set(client) - {"session_id"} == set(SAMPLING_FIELD_NAMES)
+    assert set(client) - {"session_id", "cache_salt"} == set(SAMPLING_FIELD_NAMES)
     defaults = SamplingFields()
     for name in SAMPLING_FIELD_NAMES:
         got = GenerationParams("s").__getattribute__(name)
