@@ -55,10 +55,20 @@ from .errors import (
     WorkerDiedError,
     WorkerStartupError,
 )
+from .object_store import ObjectSessionStore
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
 from .runtime import EvictionFailed, RuntimeGenerationResult, RuntimeStream, SessionRuntime
 from .sessions import SaveResult
-from .store import ConfigurationMismatch, SaveConflict, SessionInfo, SessionStore, StoreBusy, StorePermissionError
+from .store import (
+    ConfigurationMismatch,
+    SaveConflict,
+    SessionInfo,
+    SessionStore,
+    StoreBinding,
+    StoreBusy,
+    StorePermissionError,
+    open_store,
+)
 
 __all__ = [
     # client
@@ -95,6 +105,9 @@ __all__ = [
     # checkpoints and storage
     "CPUCheckpoint",
     "SessionStore",
+    "ObjectSessionStore",
+    "StoreBinding",
+    "open_store",
     "SessionInfo",
     "SaveResult",
     "EvictionFailed",

@@ -61,7 +61,7 @@ from .sessions import (
 )
 
 if TYPE_CHECKING:
-    from .store import SessionStore
+    from .store import StoreBinding
 
 __all__ = [
     "MultiplexedWorkerClient",
@@ -205,7 +205,7 @@ class MultiplexedWorkerClient:
         self,
         worker_command: Sequence[str],
         *,
-        session_store: SessionStore | None = None,
+        session_store: StoreBinding | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
@@ -620,7 +620,7 @@ class _Spawn:
 def spawn_multiplexed_worker(
     worker_command: Sequence[str],
     *,
-    session_store: SessionStore | None = None,
+    session_store: StoreBinding | None = None,
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,

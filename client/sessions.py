@@ -32,7 +32,7 @@ from .connection import Connection
 if TYPE_CHECKING:
     from muxworker.transport.messages import WorkerInfo
 
-    from .store import SessionStore
+    from .store import StoreBinding
 
 __all__ = ["CheckpointQueue", "SaveResult"]
 
@@ -74,7 +74,7 @@ class CheckpointQueue:
             await _restore(connection, checkpoint, session_id, position)
 
     async def save(
-        self, connection: Connection, store: SessionStore, session_id: str, info: WorkerInfo | None
+        self, connection: Connection, store: StoreBinding, session_id: str, info: WorkerInfo | None
     ) -> SaveResult:
         """Save through the worker's file channel when it has one (the worker writes the rows
         straight from its cache into a segment the store created; only what is new since the last
@@ -107,7 +107,7 @@ class CheckpointQueue:
             return SaveResult(written["position"], written["start"], written["payload_bytes"], len(manifest.segments))
 
     async def resume(
-        self, connection: Connection, store: SessionStore, session_id: str, info: WorkerInfo | None
+        self, connection: Connection, store: StoreBinding, session_id: str, info: WorkerInfo | None
     ) -> None:
         """Restore through the worker's file channel when it has one (the store vets and opens the
         files; the worker reads them straight into a free slot), else load here and send them."""
@@ -141,7 +141,7 @@ def _takes_files(connection: Connection, info: WorkerInfo | None) -> bool:
     return connection.files is not None and info is not None and info.files and not info.limits.get("n_draft")
 
 
-def require_store(store: SessionStore | None, info: WorkerInfo | None) -> SessionStore:
+def require_store(store: StoreBinding | None, info: WorkerInfo | None) -> StoreBinding:
     """The client's store, checked against what the worker says it runs."""
     if store is None:
         raise InvalidArgument("this client has no session_store; pass one to spawn_multiplexed_worker")

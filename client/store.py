@@ -80,6 +80,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SessionStore",
+    "StoreBinding",
+    "open_store",
     "StorePermissionError",
     "ConfigurationMismatch",
     "StoreBusy",
@@ -144,7 +146,8 @@ class SavePlan:
     fd: int  # the new segment file, open for writing, passed to the worker
     tag: str
     base: SessionManifest | None  # the saved manifest the save may append to
-    lock_fd: int
+    lock_fd: int  # the local store's writers' lock (-1: none)
+    version: Any = None  # an object store's e-tag of the manifest found (the conditional write's)
 
 
 @dataclass
@@ -178,7 +181,8 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
-def _session_hash(session_id: str) -> str:
+def session_hash(session_id: str) -> str:
+    """The hex name of ``session_id``'s files (any id is safe as a name); checks the id."""
     if not isinstance(session_id, str) or not session_id:
         raise InvalidArgument(f"session id must be a nonempty string, got {session_id!r}")
     try:
@@ -192,7 +196,177 @@ def _session_hash(session_id: str) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-class SessionStore:
+class StoreBinding:
+    """What every session store shares, whatever holds its files: the checkpoint identity it is
+    bound to, the declared configuration a worker is checked against, and the size limit.
+    ``location`` names the store in messages (a directory, or an object-storage URL)."""
+
+    location: str
+
+    def __init__(
+        self,
+        *,
+        identity: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        inputs: IdentityInputs | None = None,
+        compact_after: int = DEFAULT_COMPACT_AFTER,
+    ) -> None:
+        if isinstance(compact_after, bool) or not isinstance(compact_after, int) or not 1 <= compact_after <= 128:
+            raise InvalidArgument(f"compact_after must be an integer in [1, 128], got {compact_after!r}")
+        if not isinstance(identity, str) or not identity:
+            raise InvalidArgument("identity must be a nonempty string")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise InvalidArgument(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        if inputs is not None and not isinstance(inputs, IdentityInputs):
+            raise InvalidArgument(f"inputs must be IdentityInputs or None, got {type(inputs).__name__}")
+        self.compact_after = compact_after
+        self.identity = identity
+        self.max_bytes = max_bytes
+        self.inputs = inputs
+        self.inspecting = False
+
+    def _check_bound(self, what: str) -> None:
+        if self.inspecting:
+            raise InvalidArgument(
+                f"this store was opened for inspection, bound to no model: it cannot {what}; "
+                "open it with SessionStore.create(path, model_files=..., configuration=...)"
+            )
+
+    @property
+    def configuration(self) -> dict[str, Any] | None:
+        """The configuration the store was created with (canonical JSON data), if known."""
+        return None if self.inputs is None else self.inputs.configuration
+
+    def check_worker(self, info: WorkerInfo) -> None:
+        """Refuse a worker that does not run what this store's configuration declares.
+
+        Compares each declared key that the worker's hello reports: ``backend``, ``dtype``,
+        ``device`` (``cuda`` matches ``cuda:0``), the model's ``architecture``, ``vocab_size`` and
+        ``context_length``, every engine limit by name (``max_session_tokens``, ``n_draft``, ...),
+        and ``draft`` as present or absent. Undeclared keys, and keys the hello does not report,
+        are not compared (the model files' bytes are bound by the identity). A store made without
+        ``inputs`` declares nothing. Raises :class:`ConfigurationMismatch` naming every differing
+        field, e.g. ``dtype: store float32, worker bfloat16``.
+        """
+        config = self.configuration
+        if not config:
+            return
+        differences = []
+        for key, declared in sorted(config.items()):
+            if key in _WORKER_FACTS:
+                actual = _WORKER_FACTS[key](info)
+                if key == "device" and isinstance(actual, str) and actual.startswith(f"{declared}:"):
+                    continue
+            elif key == "draft" and "n_draft" in info.limits:
+                # The hello reports the draft through its n_draft (0: none); the draft's name is
+                # bound by its files in the identity.
+                has_draft = bool(info.limits["n_draft"])
+                if has_draft != (declared is not None):
+                    differences.append(
+                        f"draft: store {_show(declared)}, worker "
+                        + (f"a draft model (n_draft {info.limits['n_draft']})" if has_draft else "none")
+                    )
+                continue
+            elif key in info.limits:
+                actual = info.limits[key]
+            else:
+                continue
+            if actual != declared:
+                differences.append(f"{key}: store {_show(declared)}, worker {_show(actual)}")
+        if differences:
+            raise ConfigurationMismatch(
+                f"the worker does not run what the session store {self.location!r} declares: " + "; ".join(differences)
+            )
+
+    def _check_format(self, checkpoint: CPUCheckpoint) -> None:
+        """A checkpoint's own dtype and backend must be the declared ones (it was made by the worker)."""
+        self._check_declared(checkpoint.format, "checkpoint")
+
+    def _check_declared(self, fmt: dict, what: str) -> None:
+        """A checkpoint's (or saved session's) dtype and backend must be the declared ones."""
+        config = self.configuration or {}
+        differences = [
+            f"{key}: store {_show(config[key])}, {what} {_show(fmt.get(key))}"
+            for key in ("dtype", "backend")
+            if key in config and fmt.get(key) != config[key]
+        ]
+        if differences:
+            raise ConfigurationMismatch(
+                f"the {what} was not made by the configuration the session store {self.location!r} declares: "
+                + "; ".join(differences)
+            )
+
+    def check_manifest(self, m: SessionManifest, session_id: str, name: str) -> None:
+        """A manifest read under ``name`` must be ``session_id``'s, of this store's identity, and
+        made by the declared configuration."""
+        if m.session_id != session_id:
+            raise CheckpointCorrupt(
+                f"{name} holds session {m.session_id!r}, not {session_id!r}; the file was renamed or copied"
+            )
+        if m.identity != self.identity and not self.inspecting:
+            raise CheckpointIncompatible(
+                _identity_mismatch(name, m.identity, self.identity, m.identity_inputs, self.inputs, "store")
+            )
+        self._check_declared(m.format, "checkpoint")
+
+    # -- what every backend implements (SessionStore: a directory; ObjectSessionStore: a bucket) --
+    # Blocking and thread-safe, for trio.to_thread. The client's save and resume use the begin /
+    # commit pairs (the worker writes and reads the open descriptors they hold); save and load
+    # move host checkpoints (the pipe path).
+
+    def begin_save(self, session_id: str) -> SavePlan:
+        raise NotImplementedError
+
+    def base_of(self, plan: SavePlan) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
+        raise NotImplementedError
+
+    def abort_save(self, plan: SavePlan) -> None:
+        raise NotImplementedError
+
+    def begin_resume(self, session_id: str) -> ResumePlan:
+        raise NotImplementedError
+
+    def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
+        raise NotImplementedError
+
+    def load(self, session_id: str) -> CPUCheckpoint:
+        raise NotImplementedError
+
+    def info(self, session_id: str) -> SessionInfo:
+        raise NotImplementedError
+
+    def list_info(self) -> builtins.list[SessionInfo]:
+        raise NotImplementedError
+
+    def list(self) -> builtins.list[str]:
+        raise NotImplementedError
+
+    def delete(self, session_id: str) -> bool:
+        raise NotImplementedError
+
+    def checked_for_save(self, checkpoint: CPUCheckpoint) -> CPUCheckpoint:
+        """``checkpoint`` stamped with this store's identity, after the checks every save makes."""
+        if not isinstance(checkpoint, CPUCheckpoint):
+            raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
+        self._check_format(checkpoint)  # first: it can name what differs, two digests cannot
+        if checkpoint.identity is None:
+            checkpoint = dataclasses.replace(checkpoint, identity=self.identity)
+        elif checkpoint.identity != self.identity:
+            raise CheckpointIncompatible(
+                f"checkpoint identity {checkpoint.identity!r} is not this store's {self.identity!r}"
+            )
+        checkpoint.validate()
+        if checkpoint.nbytes > self.max_bytes:
+            raise CheckpointTooLarge(
+                f"checkpoint holds {checkpoint.nbytes} payload bytes, over the limit of {self.max_bytes}"
+            )
+        return checkpoint
+
+
+class SessionStore(StoreBinding):
     """Saved checkpoints of named sessions in one directory, bound to one checkpoint identity.
 
     ``identity`` is :func:`checkpoint_identity` of the worker's model files and configuration; a
@@ -212,20 +386,9 @@ class SessionStore:
         inputs: IdentityInputs | None = None,
         compact_after: int = DEFAULT_COMPACT_AFTER,
     ) -> None:
-        if isinstance(compact_after, bool) or not isinstance(compact_after, int) or not 1 <= compact_after <= 128:
-            raise InvalidArgument(f"compact_after must be an integer in [1, 128], got {compact_after!r}")
-        self.compact_after = compact_after
-        if not isinstance(identity, str) or not identity:
-            raise InvalidArgument("identity must be a nonempty string")
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise InvalidArgument(f"max_bytes must be a positive integer, got {max_bytes!r}")
-        if inputs is not None and not isinstance(inputs, IdentityInputs):
-            raise InvalidArgument(f"inputs must be IdentityInputs or None, got {type(inputs).__name__}")
+        super().__init__(identity=identity, max_bytes=max_bytes, inputs=inputs, compact_after=compact_after)
         self.path = Path(os.path.abspath(os.fspath(path)))
-        self.identity = identity
-        self.max_bytes = max_bytes
-        self.inputs = inputs
-        self.inspecting = False
+        self.location = str(self.path)
         self._prepare_directory()
 
     @classmethod
@@ -236,6 +399,7 @@ class SessionStore:
         model's identity (:meth:`create`). The directory must exist and pass the usual checks."""
         store = cls.__new__(cls)
         store.path = Path(os.path.abspath(os.fspath(path)))
+        store.location = str(store.path)
         store.identity = ""
         store.max_bytes = sys.maxsize
         store.inputs = None
@@ -248,18 +412,6 @@ class SessionStore:
                 raise CheckpointNotFound(f"no session store at {str(store.path)!r}") from None
             raise
         return store
-
-    def _check_bound(self, what: str) -> None:
-        if self.inspecting:
-            raise InvalidArgument(
-                f"this store was opened for inspection, bound to no model: it cannot {what}; "
-                "open it with SessionStore.create(path, model_files=..., configuration=...)"
-            )
-
-    @property
-    def configuration(self) -> dict[str, Any] | None:
-        """The configuration the store was created with (canonical JSON data), if known."""
-        return None if self.inputs is None else self.inputs.configuration
 
     @classmethod
     async def create(
@@ -331,51 +483,6 @@ class SessionStore:
 
     # -- what the worker runs -------------------------------------------------------------------
 
-    def check_worker(self, info: WorkerInfo) -> None:
-        """Refuse a worker that does not run what this store's configuration declares.
-
-        Compares each declared key that the worker's hello reports: ``backend``, ``dtype``,
-        ``device`` (``cuda`` matches ``cuda:0``), the model's ``architecture``, ``vocab_size`` and
-        ``context_length``, every engine limit by name (``max_session_tokens``, ``n_draft``, ...),
-        and ``draft`` as present or absent. Undeclared keys, and keys the hello does not report,
-        are not compared (the model files' bytes are bound by the identity). A store made without
-        ``inputs`` declares nothing. Raises :class:`ConfigurationMismatch` naming every differing
-        field, e.g. ``dtype: store float32, worker bfloat16``.
-        """
-        config = self.configuration
-        if not config:
-            return
-        differences = []
-        for key, declared in sorted(config.items()):
-            if key in _WORKER_FACTS:
-                actual = _WORKER_FACTS[key](info)
-                if key == "device" and isinstance(actual, str) and actual.startswith(f"{declared}:"):
-                    continue
-            elif key == "draft" and "n_draft" in info.limits:
-                # The hello reports the draft through its n_draft (0: none); the draft's name is
-                # bound by its files in the identity.
-                has_draft = bool(info.limits["n_draft"])
-                if has_draft != (declared is not None):
-                    differences.append(
-                        f"draft: store {_show(declared)}, worker "
-                        + (f"a draft model (n_draft {info.limits['n_draft']})" if has_draft else "none")
-                    )
-                continue
-            elif key in info.limits:
-                actual = info.limits[key]
-            else:
-                continue
-            if actual != declared:
-                differences.append(f"{key}: store {_show(declared)}, worker {_show(actual)}")
-        if differences:
-            raise ConfigurationMismatch(
-                f"the worker does not run what the session store {str(self.path)!r} declares: " + "; ".join(differences)
-            )
-
-    def _check_format(self, checkpoint: CPUCheckpoint) -> None:
-        """A checkpoint's own dtype and backend must be the declared ones (it was made by the worker)."""
-        self._check_declared(checkpoint.format, "checkpoint")
-
     # -- locks ---------------------------------------------------------------------------------
 
     @contextmanager
@@ -411,7 +518,7 @@ class SessionStore:
     def path_for(self, session_id: str) -> Path:
         """The manifest file of ``session_id`` (named by a hash, so any id is safe); its rows are in
         segment files beside it (:meth:`files_of`)."""
-        return self.path / (_session_hash(session_id) + SUFFIX)
+        return self.path / (session_hash(session_id) + SUFFIX)
 
     def _not_found(self, session_id: str) -> CheckpointNotFound:
         return CheckpointNotFound(f"no saved checkpoint for session {session_id!r}")
@@ -432,7 +539,7 @@ class SessionStore:
     def _manifest(self, dir_fd: int, session_id: str) -> SessionManifest | None:
         """The verified version 3 manifest of ``session_id``, None for a version 1/2 file; raises
         CheckpointNotFound, CheckpointCorrupt (another session's file) or CheckpointIncompatible."""
-        name = _session_hash(session_id) + SUFFIX
+        name = session_hash(session_id) + SUFFIX
         try:
             fd, _ = _open_regular(name, dir_fd)
         except CheckpointNotFound:
@@ -443,15 +550,7 @@ class SessionStore:
             m = read_session_manifest(fd, name)
         finally:
             os.close(fd)
-        if m.session_id != session_id:
-            raise CheckpointCorrupt(
-                f"{name} holds session {m.session_id!r}, not {session_id!r}; the file was renamed or copied"
-            )
-        if m.identity != self.identity and not self.inspecting:
-            raise CheckpointIncompatible(
-                _identity_mismatch(name, m.identity, self.identity, m.identity_inputs, self.inputs, "store")
-            )
-        self._check_declared(m.format, "checkpoint")
+        self.check_manifest(m, session_id, name)
         return m
 
     def _open_segments(self, dir_fd: int, m: SessionManifest) -> list[int]:
@@ -485,7 +584,7 @@ class SessionStore:
             for attempt in range(3):
                 m = self._manifest(dir_fd, session_id)
                 if m is None:
-                    name = _session_hash(session_id) + SUFFIX
+                    name = session_hash(session_id) + SUFFIX
                     try:
                         fd, _ = _open_regular(name, dir_fd)
                     except CheckpointNotFound:
@@ -535,7 +634,7 @@ class SessionStore:
         return self._with_segments(session_id, body)
 
     def _load_legacy(self, session_id: str, fd: int) -> CPUCheckpoint:
-        name = _session_hash(session_id) + SUFFIX
+        name = session_hash(session_id) + SUFFIX
         found, checkpoint = read_checkpoint_file(
             name,
             fd=fd,
@@ -586,7 +685,7 @@ class SessionStore:
         """What is saved for ``session_id`` (from its manifest; no payload is read)."""
         dir_fd = self._open_dir()
         try:
-            name = _session_hash(session_id) + SUFFIX
+            name = session_hash(session_id) + SUFFIX
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
@@ -595,7 +694,7 @@ class SessionStore:
             if m is not None:
                 if m.session_id != session_id:
                     raise CheckpointCorrupt(f"{name} holds session {m.session_id!r}, not {session_id!r}")
-                return _manifest_info(m, st.st_size)
+                return manifest_info(m, st.st_size)
             return self._legacy_info(dir_fd, name, session_id, st, version)
         finally:
             os.close(dir_fd)
@@ -644,9 +743,9 @@ class SessionStore:
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                     version, m, found = self._read_saved(dir_fd, None, name)
                     if m is not None:
-                        if _session_hash(m.session_id) + SUFFIX == name:
-                            out.append(_manifest_info(m, st.st_size))
-                    elif found is not None and _session_hash(found) + SUFFIX == name:
+                        if session_hash(m.session_id) + SUFFIX == name:
+                            out.append(manifest_info(m, st.st_size))
+                    elif found is not None and session_hash(found) + SUFFIX == name:
                         out.append(self._legacy_info(dir_fd, name, found, st, version))
                 except (CheckpointError, OSError):
                     continue  # damaged, foreign or vanished meanwhile
@@ -665,7 +764,7 @@ class SessionStore:
                 try:
                     _, m, found = self._read_saved(dir_fd, None, name)
                     sid = m.session_id if m is not None else found
-                    if sid is None or _session_hash(sid) + SUFFIX != name:
+                    if sid is None or session_hash(sid) + SUFFIX != name:
                         out.append((name, f"holds session {sid!r}, whose file has another name (renamed or copied)"))
                 except (CheckpointError, OSError) as e:
                     out.append((name, str(e)))
@@ -680,7 +779,7 @@ class SessionStore:
         append to, and create the new segment file (``<hash>.<random>.mxseg``, O_EXCL, 0600) for the
         worker to write. Finish with :meth:`commit_save` or :meth:`abort_save`."""
         self._check_bound("save a session")
-        digest = _session_hash(session_id)
+        digest = session_hash(session_id)
         dir_fd = self._open_dir()
         try:
             lock_fd = self._flock(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH)
@@ -834,21 +933,8 @@ class SessionStore:
         :class:`CheckpointWriteError` with that ``reason``. On any failure the previous save stays
         loadable. A checkpoint with draft-model state is written as one version 2 file.
         """
-        digest = _session_hash(session_id)
-        if not isinstance(checkpoint, CPUCheckpoint):
-            raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
-        self._check_format(checkpoint)  # first: it can name what differs, two digests cannot
-        if checkpoint.identity is None:
-            checkpoint = dataclasses.replace(checkpoint, identity=self.identity)
-        elif checkpoint.identity != self.identity:
-            raise CheckpointIncompatible(
-                f"checkpoint identity {checkpoint.identity!r} is not this store's {self.identity!r}"
-            )
-        checkpoint.validate()
-        if checkpoint.nbytes > self.max_bytes:
-            raise CheckpointTooLarge(
-                f"checkpoint holds {checkpoint.nbytes} payload bytes, over the limit of {self.max_bytes}"
-            )
+        digest = session_hash(session_id)
+        checkpoint = self.checked_for_save(checkpoint)
         if checkpoint.draft is not None:
             self._save_legacy(session_id, digest, checkpoint)
             return
@@ -916,7 +1002,7 @@ class SessionStore:
 
     def delete(self, session_id: str) -> bool:
         """Remove ``session_id``'s saved files; return whether one existed. Live sessions are untouched."""
-        digest = _session_hash(session_id)
+        digest = session_hash(session_id)
         name = digest + SUFFIX
         dir_fd = self._open_dir()
         try:
@@ -1009,22 +1095,9 @@ class SessionStore:
         """Bytes ``session_id`` takes on disk (manifest and segments)."""
         return self.info(session_id).nbytes
 
-    def _check_declared(self, fmt: dict, what: str) -> None:
-        """A checkpoint's (or saved session's) dtype and backend must be the declared ones."""
-        config = self.configuration or {}
-        differences = [
-            f"{key}: store {_show(config[key])}, {what} {_show(fmt.get(key))}"
-            for key in ("dtype", "backend")
-            if key in config and fmt.get(key) != config[key]
-        ]
-        if differences:
-            raise ConfigurationMismatch(
-                f"the {what} was not made by the configuration the session store {str(self.path)!r} declares: "
-                + "; ".join(differences)
-            )
 
-
-def _manifest_info(m: SessionManifest, manifest_bytes: int) -> SessionInfo:
+def manifest_info(m: SessionManifest, manifest_bytes: int) -> SessionInfo:
+    """The :class:`SessionInfo` of a version 3 session from its manifest."""
     return SessionInfo(
         m.session_id,
         m.position,
@@ -1046,3 +1119,46 @@ def _legacy_wire(fd: int, name: str) -> dict[str, Any]:
     manifest, _, _ = _read_manifest(fd, fstat_regular(fd, name), name, _FILE_KEYS)
     wire = manifest["checkpoint"]
     return wire if isinstance(wire, dict) else {}
+
+
+async def open_store(
+    location: str | os.PathLike,
+    *,
+    model_files: Iterable[str | os.PathLike],
+    configuration: dict,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    compact_after: int = DEFAULT_COMPACT_AFTER,
+    **options: Any,
+) -> StoreBinding:
+    """The session store at ``location``, bound to the model files and configuration.
+
+    A path or ``file://`` URL is a local :class:`SessionStore` (``options`` must be empty).
+    ``s3://bucket/prefix``, ``gs://``, ``az://`` and ``memory:///`` are an
+    :class:`~.object_store.ObjectSessionStore`. It takes credentials, region and endpoint from the
+    environment as every tool for that cloud does (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...), and ``options`` are obstore's store options.
+    """
+    text = os.fspath(location)
+    scheme = text.split("://", 1)[0] if "://" in text else ""
+    if scheme in ("", "file"):
+        if options:
+            raise InvalidArgument(f"a local store takes no store options, got {sorted(options)}")
+        path = text[len("file://") :] if scheme == "file" else text
+        return await SessionStore.create(
+            path, model_files=model_files, configuration=configuration, max_bytes=max_bytes, compact_after=compact_after
+        )
+    from .object_store import OBJECT_SCHEMES, ObjectSessionStore
+
+    if scheme not in OBJECT_SCHEMES:
+        raise InvalidArgument(
+            f"no session store for {text!r}: expected a path, file://, or one of "
+            + ", ".join(f"{s}://" for s in OBJECT_SCHEMES)
+        )
+    return await ObjectSessionStore.create(
+        text,
+        model_files=model_files,
+        configuration=configuration,
+        max_bytes=max_bytes,
+        compact_after=compact_after,
+        **options,
+    )

@@ -22,7 +22,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from muxworker.chat import default_store_dir
-from muxworker.client import MuxError, SessionStore, WorkerStartupError, default_worker_command
+from muxworker.client import MuxError, StoreBinding, WorkerStartupError, default_worker_command, open_store
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import BUNDLED_GGUF_NAME, ModelLoadError, resolve_model
 from muxworker.worker.options import UsageError, parse_args
@@ -53,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled SmolLM2)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: 8000)")
-    p.add_argument("--store", default=None, help=f"session store directory (default: {default_store_dir()})")
+    p.add_argument(
+        "--store",
+        default=None,
+        help=f"session store: a directory, or s3://bucket/prefix (also gs://, az://; credentials from the "
+        f"environment) (default: {default_store_dir()})",
+    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -87,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(args: argparse.Namespace, worker_command: list[str], store: SessionStore, keys: tuple[str, ...]) -> int:
+async def _run(args: argparse.Namespace, worker_command: list[str], store: StoreBinding, keys: tuple[str, ...]) -> int:
     metrics = ServerMetrics()
     service = ModelService(
         worker_command,
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         store = trio.run(
-            lambda: SessionStore.create(
+            lambda: open_store(
                 args.store or default_store_dir(),
                 model_files=model_identity_files(model_dir),
                 configuration=worker_configuration(

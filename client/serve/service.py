@@ -29,7 +29,7 @@ from muxworker.client.client import MultiplexedWorkerClient, spawn_multiplexed_w
 from muxworker.client.errors import ClientClosedError, NotReady, SessionExists, Unsaveable, WorkerDiedError
 from muxworker.client.params import GenerationParams
 from muxworker.client.runtime import RuntimeStream, SessionRuntime
-from muxworker.client.store import SessionInfo, SessionStore
+from muxworker.client.store import SessionInfo, StoreBinding
 
 from .metrics import ServerMetrics
 
@@ -86,7 +86,7 @@ class ModelService:
     def __init__(
         self,
         worker_command: Sequence[str],
-        store: SessionStore,
+        store: StoreBinding,
         metrics: ServerMetrics,
         config: ServiceConfig = ServiceConfig(),
     ) -> None:
