@@ -50,17 +50,12 @@ from muxworker.transport.checkpoint import (
 )
 from muxworker.transport.checkpoint.segments import (
     SEGMENTED_VERSION,
-    LayerRows,
     SegmentRef,
     SessionManifest,
-    assemble_checkpoint,
-    check_chain,
     encode_session_manifest,
     file_version,
-    head_major_bytes,
-    read_segment_header,
     read_session_manifest,
-    write_segment,
+    write_checkpoint_segment,
 )
 from muxworker.transport.errors import InvalidArgument
 
@@ -291,15 +286,7 @@ class ObjectSessionStore(StoreBinding):
         self._check_bound("load a session")
         m, fds = self._with_segments(session_id)
         try:
-            names = [f"segment {r.name} of session {session_id!r}" for r in m.segments]
-            headers = [read_segment_header(fd, n, r) for fd, n, r in zip(fds, names, m.segments)]
-            check_chain(m, headers, f"{self.url}/{session_hash(session_id)}{SUFFIX}")
-            total = sum(length for h in headers for _, length, _ in h.payloads)
-            if total > self.max_bytes:
-                raise CheckpointTooLarge(
-                    f"session {session_id!r} holds {total} payload bytes, over the limit of {self.max_bytes}"
-                )
-            return assemble_checkpoint(m, list(zip(fds, headers, names)))
+            return self.assemble(m, fds, f"{self.url}/{session_hash(session_id)}{SUFFIX}")
         finally:
             for fd in fds:
                 os.close(fd)
@@ -407,24 +394,10 @@ class ObjectSessionStore(StoreBinding):
         plan = self.begin_save(session_id)
         plan.base = None  # a host checkpoint is written whole
         try:
-            layers = [
-                LayerRows(s.start, s.rows, [head_major_bytes(s.keys)], [head_major_bytes(s.values)])
-                for s in checkpoint.layers
-            ]
-            length, head_crc = write_segment(
-                plan.fd,
-                session_id=session_id,
-                identity=self.identity,
-                format=checkpoint.format,
-                geometry=checkpoint.geometry,
-                start=0,
-                token_ids=checkpoint.token_ids,
-                layers=layers,
-            )
+            written = write_checkpoint_segment(plan.fd, session_id, self.identity, checkpoint)
         except BaseException:
             self.abort_save(plan)
             raise
-        written = {"start": 0, "position": checkpoint.position, "file_length": length, "header_crc": head_crc}
         self.commit_save(plan, written, checkpoint.format, checkpoint.geometry)
 
     # -- listing and removing ---------------------------------------------------------------------

@@ -59,18 +59,16 @@ from muxworker.transport.checkpoint.file import (
 )
 from muxworker.transport.checkpoint.segments import (
     SEGMENTED_VERSION,
-    LayerRows,
     SegmentRef,
     SessionManifest,
     assemble_checkpoint,
     check_chain,
     encode_session_manifest,
     file_version,
-    head_major_bytes,
     read_payload_into,
     read_segment_header,
     read_session_manifest,
-    write_segment,
+    write_checkpoint_segment,
 )
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
@@ -347,6 +345,19 @@ class StoreBinding:
     def delete(self, session_id: str) -> bool:
         raise NotImplementedError
 
+    def assemble(self, m: SessionManifest, fds: builtins.list[int], where: str) -> CPUCheckpoint:
+        """The host checkpoint of the manifest ``m`` from its open segments ``fds`` (every header
+        against the manifest, the chain, the size limit, every payload's CRC)."""
+        names = [f"segment {r.name} of session {m.session_id!r}" for r in m.segments]
+        headers = [read_segment_header(fd, n, r) for fd, n, r in zip(fds, names, m.segments)]
+        check_chain(m, headers, where)
+        total = sum(length for h in headers for _, length, _ in h.payloads)
+        if total > self.max_bytes:
+            raise CheckpointTooLarge(
+                f"session {m.session_id!r} holds {total} payload bytes, over the limit of {self.max_bytes}"
+            )
+        return assemble_checkpoint(m, list(zip(fds, headers, names)))
+
     def checked_for_save(self, checkpoint: CPUCheckpoint) -> CPUCheckpoint:
         """``checkpoint`` stamped with this store's identity, after the checks every save makes."""
         if not isinstance(checkpoint, CPUCheckpoint):
@@ -618,15 +629,7 @@ class SessionStore(StoreBinding):
             try:
                 if m is None:
                     return self._load_legacy(session_id, fds[0])
-                names = [f"segment {r.name} of session {session_id!r}" for r in m.segments]
-                headers = [read_segment_header(fd, n, r) for fd, n, r in zip(fds, names, m.segments)]
-                check_chain(m, headers, str(self.path_for(session_id)))
-                total = sum(length for h in headers for _, length, _ in h.payloads)
-                if total > self.max_bytes:
-                    raise CheckpointTooLarge(
-                        f"session {session_id!r} holds {total} payload bytes, over the limit of {self.max_bytes}"
-                    )
-                return assemble_checkpoint(m, list(zip(fds, headers, names)))
+                return self.assemble(m, fds, str(self.path_for(session_id)))
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -942,26 +945,7 @@ class SessionStore(StoreBinding):
         plan.base = None  # a host checkpoint is written whole
         try:
             try:
-                layers = []
-                for state in checkpoint.layers:
-                    layers.append(
-                        LayerRows(
-                            state.start,
-                            state.rows,
-                            [head_major_bytes(state.keys)],
-                            [head_major_bytes(state.values)],
-                        )
-                    )
-                length, head_crc = write_segment(
-                    plan.fd,
-                    session_id=session_id,
-                    identity=self.identity,
-                    format=checkpoint.format,
-                    geometry=checkpoint.geometry,
-                    start=0,
-                    token_ids=checkpoint.token_ids,
-                    layers=layers,
-                )
+                written = write_checkpoint_segment(plan.fd, session_id, self.identity, checkpoint)
             except OSError as e:
                 raise os_failure(
                     CheckpointWriteError,
@@ -972,7 +956,6 @@ class SessionStore(StoreBinding):
         except BaseException:
             self.abort_save(plan)
             raise
-        written = {"start": 0, "position": checkpoint.position, "file_length": length, "header_crc": head_crc}
         self.commit_save(plan, written, checkpoint.format, checkpoint.geometry)
 
     def _save_legacy(self, session_id: str, digest: str, checkpoint: CPUCheckpoint) -> None:

@@ -34,6 +34,7 @@ from muxworker.client import (
 )
 from muxworker.client.object_store import connect
 from muxworker.client.store import StorePermissionError
+from muxworker.transport.checkpoint.segments import write_checkpoint_segment
 
 obstore = pytest.importorskip("obstore")
 from test_store import CONFIG, assert_same, make_checkpoint  # noqa: E402
@@ -149,23 +150,7 @@ async def test_two_writers_the_later_fails_and_the_winner_stays_whole(store_url,
     def race() -> None:
         plan_a, plan_b = a.begin_save("s"), b.begin_save("s")  # both find no manifest
         for plan, store, checkpoint in ((plan_a, a, first), (plan_b, b, second)):
-            from muxworker.transport.checkpoint.segments import LayerRows, head_major_bytes, write_segment
-
-            layers = [
-                LayerRows(x.start, x.rows, [head_major_bytes(x.keys)], [head_major_bytes(x.values)])
-                for x in checkpoint.layers
-            ]
-            length, crc = write_segment(
-                plan.fd,
-                session_id="s",
-                identity=store.identity,
-                format=checkpoint.format,
-                geometry=checkpoint.geometry,
-                start=0,
-                token_ids=checkpoint.token_ids,
-                layers=layers,
-            )
-            plan.written = {"start": 0, "position": checkpoint.position, "file_length": length, "header_crc": crc}
+            plan.written = write_checkpoint_segment(plan.fd, "s", store.identity, checkpoint)
         a.commit_save(plan_a, plan_a.written, first.format, first.geometry)
         with pytest.raises(SaveConflict):
             b.commit_save(plan_b, plan_b.written, second.format, second.geometry)

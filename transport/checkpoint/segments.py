@@ -345,6 +345,27 @@ def write_segment(
     return file_length, head_crc
 
 
+def write_checkpoint_segment(fd: int, session_id: str, identity: str, checkpoint: CPUCheckpoint) -> dict[str, Any]:
+    """Write a host checkpoint whole, as one segment from position 0, into the empty file ``fd``;
+    return what a worker's ``save_file`` reply says of a segment (start, position, file_length,
+    header_crc), for the store's commit."""
+    layers = [
+        LayerRows(state.start, state.rows, [head_major_bytes(state.keys)], [head_major_bytes(state.values)])
+        for state in checkpoint.layers
+    ]
+    length, head_crc = write_segment(
+        fd,
+        session_id=session_id,
+        identity=identity,
+        format=checkpoint.format,
+        geometry=checkpoint.geometry,
+        start=0,
+        token_ids=checkpoint.token_ids,
+        layers=layers,
+    )
+    return {"start": 0, "position": checkpoint.position, "file_length": length, "header_crc": head_crc}
+
+
 def read_segment_header(fd: int, path: str, expected: SegmentRef | None = None) -> SegmentHeader:
     """The verified manifest of the segment open as ``fd``; with ``expected``, it must be that one."""
     st = fstat_regular(fd, path)
