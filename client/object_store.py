@@ -239,24 +239,13 @@ class ObjectSessionStore(StoreBinding):
         return m, etag
 
     def _open_segments(self, m: SessionManifest) -> builtins.list[int]:
-        fds: builtins.list[int] = []
-        try:
-            for ref in m.segments:
-                fd, _ = self._get_into_memfd(
-                    ref.name, f"segment {ref.name} of session {m.session_id!r}", self.max_bytes + ref.file_length
-                )
-                fds.append(fd)
-                size = os.fstat(fd).st_size
-                if size != ref.file_length:
-                    raise CheckpointCorrupt(
-                        f"segment {ref.name} of session {m.session_id!r} is {size} bytes, "
-                        f"not the {ref.file_length} its manifest records"
-                    )
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds
+        """Download every segment of ``m`` into a memory file (the recorded sizes)."""
+        return self.open_all(
+            m,
+            lambda ref: self._get_into_memfd(
+                ref.name, f"segment {ref.name} of session {m.session_id!r}", self.max_bytes + ref.file_length
+            )[0],
+        )
 
     def _with_segments(self, session_id: str) -> tuple[SessionManifest, builtins.list[int]]:
         """The manifest and its downloaded segments; a manifest replaced meanwhile (a concurrent

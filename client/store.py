@@ -27,7 +27,7 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,6 +358,26 @@ class StoreBinding:
             )
         return assemble_checkpoint(m, list(zip(fds, headers, names)))
 
+    def open_all(self, m: SessionManifest, open_one: Callable[[SegmentRef], int]) -> builtins.list[int]:
+        """``open_one(ref)`` for every segment of ``m``, each checked to be the size its manifest
+        records; on any failure the ones opened are closed."""
+        fds: builtins.list[int] = []
+        try:
+            for ref in m.segments:
+                fd = open_one(ref)
+                fds.append(fd)
+                size = os.fstat(fd).st_size
+                if size != ref.file_length:
+                    raise CheckpointCorrupt(
+                        f"segment {ref.name} of session {m.session_id!r} is {size} bytes, "
+                        f"not the {ref.file_length} its manifest records"
+                    )
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
     def checked_for_save(self, checkpoint: CPUCheckpoint) -> CPUCheckpoint:
         """``checkpoint`` stamped with this store's identity, after the checks every save makes."""
         if not isinstance(checkpoint, CPUCheckpoint):
@@ -566,21 +586,7 @@ class SessionStore(StoreBinding):
 
     def _open_segments(self, dir_fd: int, m: SessionManifest) -> list[int]:
         """Open every segment of ``m`` (regular files, no symlinks, the recorded sizes)."""
-        fds: list[int] = []
-        try:
-            for ref in m.segments:
-                fd, st = _open_regular(ref.name, dir_fd)
-                fds.append(fd)
-                if st.st_size != ref.file_length:
-                    raise CheckpointCorrupt(
-                        f"segment {ref.name} of session {m.session_id!r} is {st.st_size} bytes, "
-                        f"not the {ref.file_length} its manifest records"
-                    )
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds
+        return self.open_all(m, lambda ref: _open_regular(ref.name, dir_fd)[0])
 
     def _with_segments(self, session_id: str, body: Any) -> Any:
         """Run ``body(dir_fd, manifest | None, fds)`` on the vetted open files of ``session_id``.
