@@ -31,6 +31,8 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
@@ -48,6 +50,7 @@ from muxworker.transport.checkpoint import (
     IdentityInputs,
     checkpoint_identity_inputs,
 )
+from muxworker.transport.checkpoint.blocks import BLOCK_NAME, BLOCK_SUFFIX, DEFAULT_BLOCK_TOKENS, Piece
 from muxworker.transport.checkpoint.segments import (
     SEGMENTED_VERSION,
     SegmentRef,
@@ -80,6 +83,8 @@ __all__ = ["ObjectSessionStore", "OBJECT_SCHEMES"]
 
 #: URL schemes served by this backend (obstore's); a path or ``file://`` is the local SessionStore.
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "memory")
+#: Seconds a stored block may be named by a new save without being written again (clean()).
+DEFAULT_BLOCK_REFRESH = 1800.0
 _NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
 _SEGMENT_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.mxseg")
 
@@ -106,8 +111,21 @@ class ObjectSessionStore(StoreBinding):
         max_bytes: int = DEFAULT_MAX_BYTES,
         inputs: IdentityInputs | None = None,
         compact_after: int = DEFAULT_COMPACT_AFTER,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        block_refresh: float = DEFAULT_BLOCK_REFRESH,
     ) -> None:
-        super().__init__(identity=identity, max_bytes=max_bytes, inputs=inputs, compact_after=compact_after)
+        super().__init__(
+            identity=identity,
+            max_bytes=max_bytes,
+            inputs=inputs,
+            compact_after=compact_after,
+            block_tokens=block_tokens,
+        )
+        if isinstance(block_refresh, bool) or not isinstance(block_refresh, (int, float)) or not block_refresh > 0:
+            raise InvalidArgument(f"block_refresh must be a positive number of seconds, got {block_refresh!r}")
+        self.block_refresh = float(block_refresh)
+        #: Bytes this object has uploaded (segments, blocks and manifests), for metrics and benchmarks.
+        self.uploaded_bytes = 0
         self.store = store
         self.url = url
         self.location = url
@@ -121,6 +139,8 @@ class ObjectSessionStore(StoreBinding):
         configuration: dict,
         max_bytes: int = DEFAULT_MAX_BYTES,
         compact_after: int = DEFAULT_COMPACT_AFTER,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        block_refresh: float = DEFAULT_BLOCK_REFRESH,
         **options: Any,
     ) -> ObjectSessionStore:
         """Hash the model files off the event loop, connect to ``url`` and check it answers.
@@ -138,6 +158,8 @@ class ObjectSessionStore(StoreBinding):
                 max_bytes=max_bytes,
                 inputs=inputs,
                 compact_after=compact_after,
+                block_tokens=block_tokens,
+                block_refresh=block_refresh,
             )
             store._probe()
             return store
@@ -205,7 +227,11 @@ class ObjectSessionStore(StoreBinding):
 
         e = _errors()
         try:
-            return obstore.put(self.store, name, data, mode=mode)
+            # One PUT, never a multipart upload: a failed condition or a killed writer leaves no
+            # hidden parts behind (S3 takes up to 5 GiB in one PUT; a block is a few MiB).
+            result = obstore.put(self.store, name, data, mode=mode, use_multipart=False)
+            self.uploaded_bytes += len(data)
+            return result
         except (e.PreconditionError, e.AlreadyExistsError):
             raise SaveConflict(
                 f"{what} was saved or deleted by another writer meanwhile; nothing was published, save again"
@@ -239,13 +265,18 @@ class ObjectSessionStore(StoreBinding):
         return m, etag
 
     def _open_segments(self, m: SessionManifest) -> builtins.list[int]:
-        """Download every segment of ``m`` into a memory file (the recorded sizes)."""
-        return self.open_all(
-            m,
-            lambda ref: self._get_into_memfd(
-                ref.name, f"segment {ref.name} of session {m.session_id!r}", self.max_bytes + ref.file_length
-            )[0],
-        )
+        """Download every segment of ``m`` into a memory file (the recorded sizes), several at once."""
+
+        def get(ref: SegmentRef) -> int:
+            what = f"segment {ref.name} of session {m.session_id!r}"
+            return self._get_into_memfd(ref.name, what, self.max_bytes + ref.file_length)[0]
+
+        fetched = _each(get, m.segments)
+        try:
+            return self.open_all(m, lambda ref: fetched.pop(ref.name))
+        finally:
+            for fd in fetched.values():
+                os.close(fd)
 
     def _with_segments(self, session_id: str) -> tuple[SessionManifest, builtins.list[int]]:
         """The manifest and its downloaded segments; a manifest replaced meanwhile (a concurrent
@@ -296,11 +327,13 @@ class ObjectSessionStore(StoreBinding):
             # Damaged or foreign: this save writes everything, and replaces it only if it is
             # still the object found here.
             base, etag = None, self._etag(digest + SUFFIX)
-        if base is not None and len(base.segments) >= self.compact_after:
-            base = None  # compaction: rewrite it whole
+        found = base
+        base, compact = self._base_plan(base)
         segment = f"{digest}.{secrets.token_hex(8)}{SEGMENT_SUFFIX}"
         fd = os.memfd_create(segment, os.MFD_CLOEXEC)
-        return SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, -1, etag)
+        plan = SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, -1, etag)
+        plan.staged, plan.compact, plan.found = bool(self.block_tokens), compact, found
+        return plan
 
     def _etag(self, name: str) -> Any:
         import obstore
@@ -309,9 +342,6 @@ class ObjectSessionStore(StoreBinding):
             return obstore.head(self.store, name)["e_tag"]
         except Exception:
             return None
-
-    def base_of(self, plan: SavePlan) -> dict[str, Any] | None:
-        return None if plan.base is None else {"tag": plan.base.tag, "position": plan.base.position}
 
     def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
         """Upload the segment the worker wrote, then publish the manifest with a conditional write.
@@ -328,11 +358,13 @@ class ObjectSessionStore(StoreBinding):
             else:
                 if start and base is None:
                     raise SaveConflict(f"session {plan.session_id!r}: an appended save needs the manifest it extends")
-                # One read of the memory file (the worker fsynced it; one copy, then one PUT).
-                data = _read_all(plan.fd)
-                self._put(plan.segment, data, f"segment {plan.segment}", "create")
-                ref = SegmentRef(plan.segment, start, position, written["file_length"], written["header_crc"])
-                segments = [*base.segments, ref] if start and base is not None else [ref]
+                if plan.staged:
+                    segments = self._store_pieces(plan, written)
+                else:
+                    # One read of the memory file (the worker fsynced it; one copy, then one PUT).
+                    self._put(plan.segment, _read_all(plan.fd), f"segment {plan.segment}", "create")
+                    ref = SegmentRef(plan.segment, start, position, written["file_length"], written["header_crc"])
+                    segments = [*base.segments, ref] if start and base is not None else [ref]
                 m = SessionManifest(
                     plan.session_id,
                     self.identity,
@@ -347,9 +379,10 @@ class ObjectSessionStore(StoreBinding):
                 )
             mode: Any = "create" if version is None else {"e_tag": version}
             self._put(plan.digest + SUFFIX, encode_session_manifest(m), f"session {plan.session_id!r}", mode)
+            # The conditional write replaced exactly the manifest found: its segments are ours to drop.
             keep = {r.name for r in m.segments}
-            for ref in base.segments if base is not None else []:
-                if ref.name not in keep:
+            for ref in plan.found.segments if plan.found is not None else []:
+                if ref.name not in keep and not ref.shared:  # blocks go with clean()
                     self._delete(ref.name)
             return m
         except BaseException:
@@ -358,6 +391,63 @@ class ObjectSessionStore(StoreBinding):
             raise
         finally:
             self.abort_save(plan)
+
+    def _store_pieces(self, plan: SavePlan, written: dict[str, Any]) -> builtins.list[SegmentRef]:
+        """Upload a staged save's pieces (blocks without a young enough copy, and the tail as the
+        plan's segment); returns the manifest's new segment list."""
+        kept, pieces, memory = self._cut(plan, written)
+        try:
+            attempt = 0
+
+            def store(piece: Piece) -> str:
+                if piece.key is not None:
+                    return self._put_block(piece)
+                mode = "overwrite" if attempt else "create"  # again: renews its age
+                self._put(plan.segment, b"".join(piece.plan.buffers), f"segment {plan.segment}", mode)
+                return plan.segment
+
+            while True:
+                checked = time.time()
+                names = _each(store, pieces, key=lambda piece: piece.start)
+                refs = [
+                    SegmentRef(names[p.start], p.start, p.end, p.plan.file_length, p.plan.header_crc, p.key is not None)
+                    for p in pieces
+                ]
+                # A collector deletes an unnamed block only once it is 2 x block_refresh old, and
+                # this save's blocks were at most block_refresh old when checked: it must publish
+                # within half of block_refresh of the check (clean()'s docstring has the argument).
+                if time.time() - checked < self.block_refresh / 2:
+                    return [*kept, *refs]
+                attempt += 1
+        finally:
+            del pieces
+            memory.close()
+
+    def _put_block(self, piece: Any) -> str:
+        """The name of a stored copy of block ``piece`` at most ``block_refresh`` old: one found,
+        or one written now. Copies are named ``<key>.<epoch>.mxblk`` (``epoch``: the time in
+        units of block_refresh) and never overwritten, so the age a collector reads is the age a
+        writer checked."""
+        import obstore
+
+        epoch = int(time.time() // self.block_refresh)
+        for e in (epoch, epoch - 1):
+            name = f"{piece.key}.{e:x}{BLOCK_SUFFIX}"
+            try:
+                meta = obstore.head(self.store, name)
+            except Exception:
+                continue
+            if (
+                meta["size"] == piece.plan.file_length
+                and meta["last_modified"].timestamp() >= time.time() - self.block_refresh
+            ):
+                return name
+        name = f"{piece.key}.{epoch:x}{BLOCK_SUFFIX}"
+        try:
+            self._put(name, b"".join(piece.plan.buffers), f"block {name}", "create")
+        except SaveConflict:
+            pass  # another writer stored it this epoch: the same bytes, as young
+        return name
 
     def _published(self, plan: SavePlan) -> bool:
         try:
@@ -442,12 +532,30 @@ class ObjectSessionStore(StoreBinding):
         except Exception as exc:
             raise self._failure(exc, f"deleting session {session_id!r}", CheckpointWriteError) from None
         for ref in m.segments if m is not None else []:
-            self._delete(ref.name)
+            if not ref.shared:  # blocks other sessions may name go with clean()
+                self._delete(ref.name)
         return True
 
     def clean(self, *, older_than: float = 3600.0) -> tuple[builtins.list[str], int]:
         """Remove segments no manifest names that are older than ``older_than`` seconds (what
-        killed or conflicting writers left); younger ones may belong to a save in progress."""
+        killed or conflicting writers left; younger ones may belong to a save in progress, and
+        below ``2 * block_refresh`` it is safe only while no writer runs), and blocks no manifest
+        names that are older than ``max(older_than, 2 * block_refresh)``. Returns (the names
+        removed, their bytes).
+
+        It runs beside writers, with no lock. A writer names a stored copy of a block only if it
+        is at most ``block_refresh`` (r) old when checked (else it writes a new copy; copies are
+        never overwritten), and publishes its manifest within r/2 of that check (else it checks
+        again). This
+        collector reads the manifests, then deletes only blocks older than G = ``max(older_than,
+        2r)``, and stops deleting G/4 after it began. A block that a writer names after the
+        collector read the manifests was checked at most r/2 before, so it is younger than
+        r + r/2 + G/4 < G at any deletion: it stays (given clocks within a few minutes of the
+        store's, at the default r of 30 minutes)."""
+        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
+            raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+        block_age = max(older_than, 2 * self.block_refresh)
+        began = time.time()
         names = self._names()
         referenced: set[str] = set()
         for name, _ in names:
@@ -463,18 +571,47 @@ class ObjectSessionStore(StoreBinding):
         import obstore
 
         removed, nbytes = [], 0
-        cutoff = time.time() - older_than
         for name, size in names:
-            if _SEGMENT_NAME.fullmatch(name) and name not in referenced:
+            block = BLOCK_NAME.fullmatch(name)
+            if (block or _SEGMENT_NAME.fullmatch(name)) and name not in referenced:
+                if time.time() - began > (block_age if block else older_than) / 4:
+                    continue  # past the collector's window: these wait for the next run
                 try:
                     meta = obstore.head(self.store, name)
                 except Exception:
                     continue
-                if meta["last_modified"].timestamp() < cutoff:
+                # + 1 s: S3 reports Last-Modified in whole seconds, rounded down.
+                if meta["last_modified"].timestamp() + 1.0 < began - (block_age if block else older_than):
                     self._delete(name)
                     removed.append(name)
                     nbytes += size
         return sorted(removed), nbytes
+
+
+#: Objects uploaded or downloaded at once by one save or resume (obstore releases the GIL).
+IO_THREADS = 8
+
+
+def _each(call: Callable[[Any], Any], items: Iterable[Any], key: Callable[[Any], Any] = lambda item: item.name) -> dict:
+    """``{key(item): call(item)}``, the calls run on up to IO_THREADS threads. If any fails, the
+    first failure is raised once all have ended, and results that are memory files are closed."""
+    items = builtins.list(items)
+    if len(items) <= 1:
+        return {key(item): call(item) for item in items}
+    with ThreadPoolExecutor(min(IO_THREADS, len(items))) as pool:
+        futures = [(key(item), pool.submit(call, item)) for item in items]
+    done, failure = {}, None
+    for k, future in futures:
+        try:
+            done[k] = future.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others are closed
+            failure = failure or e
+    if failure is not None:
+        for value in done.values():
+            if isinstance(value, int):
+                os.close(value)
+        raise failure
+    return done
 
 
 def _read_all(fd: int) -> bytes:

@@ -357,7 +357,8 @@ SEGMENT_REF = Record(
         "end": Int(1, _I64_MAX),
         "file_length": Int(0, _I64_MAX),
         "header_crc": Int(0, 2**32 - 1),
-    }
+    },
+    {"shared": Bool()},
 )
 
 
@@ -425,15 +426,19 @@ MESSAGES: dict[str, MessageSpec] = {
     ),
     "save_file": _client(
         "Write a session at its committed boundary as one checkpoint segment into the file passed with "
-        "this request (transport/fdpass.py; `fds`: 1), then fsync it: only the positions after `base` "
-        "when the session's slot still holds exactly what the store's save `base.tag` holds, else all. "
+        "this request (transport/fdpass.py; `fds`: 1), then fsync it: only the positions after "
+        "`base.position` when the session's slot still holds what the store's save `base.tag` holds up "
+        "to there, else all; with `base.block_tokens`, from `base.block_start` instead when the new "
+        "rows would cross a block boundary (a store saving content-addressed blocks). "
         "The session remembers `tag` as its new base. Reply: ok with `value` {start, position, "
         "file_length, header_crc, payload_bytes}.",
         {
             "session_id": SESSION_ID,
             "fds": Int(1, 1),
             "tag": TAG,
-            "base": Nullable(Record({"tag": TAG, "position": POSITION})),
+            "base": Nullable(
+                Record({"tag": TAG, "position": POSITION}, {"block_start": POSITION, "block_tokens": Int(1, 1 << 20)})
+            ),
             "identity": Str(nonempty=True, max_bytes=256),
             "max_bytes": Int(1, _I64_MAX),
         },

@@ -472,6 +472,8 @@ class WorkerServer:
         return self._files.receive(rid, count)
 
     def _save_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+        from muxworker.worker.engine.checkpoint_files import SaveBase
+
         (fd,) = self._passed_files(rid, control["fds"])
         try:
             base = control["base"]
@@ -479,7 +481,9 @@ class WorkerServer:
                 control["session_id"],
                 fd,
                 tag=control["tag"],
-                base=None if base is None else (base["tag"], base["position"]),
+                base=None
+                if base is None
+                else SaveBase(base["tag"], base["position"], base.get("block_start"), base.get("block_tokens", 0)),
                 identity=control["identity"],
                 max_bytes=control["max_bytes"],
             )
@@ -508,7 +512,9 @@ class WorkerServer:
                 position = checkpoint.position
             else:
                 refs = [
-                    SegmentRef(r["name"], r["start"], r["end"], r["file_length"], r["header_crc"])
+                    SegmentRef(
+                        r["name"], r["start"], r["end"], r["file_length"], r["header_crc"], r.get("shared", False)
+                    )
                     for r in control.get("segments", [])
                 ]
                 if "tag" not in control:

@@ -1,4 +1,4 @@
-"""python -m muxworker.chat [--session NAME] [--store DIR] [--model PATH] [sampling flags]
+"""python -m muxworker.chat [--session NAME] [--store DIR|URL] [--model PATH] [sampling flags]
 
 The terminal chat. How it keeps a conversation (see also the package docstring):
 
@@ -29,11 +29,14 @@ from muxworker.client import (
     MultiplexedWorkerClient,
     MuxError,
     SessionStore,
+    StoreBinding,
     WorkerDiedError,
     WorkerStartupError,
     default_worker_command,
+    open_store,
     spawn_multiplexed_worker,
 )
+from muxworker.client.store import session_hash
 from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import ModelLoadError, resolve_model
@@ -85,7 +88,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--session", default="default", help="session name; resumed from the store if saved (default: default)"
     )
-    p.add_argument("--store", type=Path, default=None, help=f"session store directory (default: {default_store_dir()})")
+    p.add_argument(
+        "--store",
+        default=None,
+        help=f"session store: a directory, or s3://bucket/prefix (gs://, az://) with credentials from the "
+        f"environment (default: {default_store_dir()})",
+    )
+    p.add_argument(
+        "--transcripts",
+        type=Path,
+        default=None,
+        help="directory of the conversations' transcripts (default: the store directory's transcripts/, or "
+        f"{default_store_dir() / 'transcripts'} for a store on object storage)",
+    )
     p.add_argument(
         "--model", default=None, help="HF model directory or .gguf (default: the bundled SmolLM2-135M-Instruct)"
     )
@@ -164,7 +179,8 @@ class _Chat:
         self.top = trio.CancelScope()  # cancelled to give up at once (start-up, or a repeated Ctrl-C)
         self.prompt_scope: trio.CancelScope | None = None
         self.interrupt: ReplyInterrupt | None = None
-        self.store: SessionStore | None = None
+        self.store: StoreBinding | None = None
+        self.transcripts: Path | None = None
         self.name = args.session
         self.conv = Conversation(self.name)
         self.transcript_dirty = False
@@ -207,9 +223,9 @@ class _Chat:
 
     async def _main(self, nursery: trio.Nursery) -> int:
         args = self.args
-        store_dir = args.store or default_store_dir()
+        store_dir = args.store or str(default_store_dir())
         try:
-            self.store = await SessionStore.create(
+            self.store = await open_store(
                 store_dir,
                 model_files=model_identity_files(self.model_dir),
                 configuration=worker_configuration(
@@ -220,8 +236,14 @@ class _Chat:
                     model_dir=self.model_dir,
                 ),
             )
-            self.store.path_for(self.name)  # checks the session name
-            self._transcript_path(self.name).parent.mkdir(mode=0o700, exist_ok=True)
+            session_hash(self.name)  # checks the session name
+            if args.transcripts is not None:
+                self.transcripts = args.transcripts
+            elif isinstance(self.store, SessionStore):
+                self.transcripts = self.store.path / "transcripts"
+            else:
+                self.transcripts = default_store_dir() / "transcripts"
+            self.transcripts.mkdir(mode=0o700, parents=True, exist_ok=True)
         except (MuxError, OSError) as exc:
             _info(f"cannot use the session store {store_dir}: {exc}")
             return 1
@@ -262,16 +284,36 @@ class _Chat:
             progress.stop()
 
     def _transcript_path(self, name: str) -> Path:
+        assert self.transcripts is not None
+        return self.transcripts / f"{session_hash(name)}.json"
+
+    def _where(self, name: str) -> str:
+        """Where ``name``'s checkpoint is saved (for messages)."""
         assert self.store is not None
-        return self.store.path / "transcripts" / f"{self.store.path_for(name).stem}.json"
+        if isinstance(self.store, SessionStore):
+            return str(self.store.path_for(name))
+        return f"{self.store.location}/{session_hash(name)}.mxckpt"
+
+    def _saved(self, name: str) -> bool:
+        """Whether the store holds something under ``name`` (blocking: a file or an object store)."""
+        assert self.store is not None
+        if isinstance(self.store, SessionStore):
+            return self.store.path_for(name).exists()
+        try:
+            self.store.info(name)
+        except CheckpointNotFound:
+            return False
+        except MuxError:
+            return True  # there, but unreadable: the resume says why
+        return True
 
     async def _open(self, client: MultiplexedWorkerClient) -> bool:
         """Resume ``self.name`` or start it fresh; on a failed resume offer a new name. Returns
         whether there is a session to chat in."""
         assert self.store is not None
         name = self.name
-        transcript, checkpoint = self._transcript_path(name), self.store.path_for(name)
-        if not transcript.exists() and not checkpoint.exists():
+        transcript, checkpoint = self._transcript_path(name), self._where(name)
+        if not transcript.exists() and not await trio.to_thread.run_sync(self._saved, name):
             await client.open_session(name)
             _info(f"new session {name!r}; Ctrl-C stops a reply, Ctrl-D saves and quits, /help lists the commands")
             return True
@@ -320,8 +362,8 @@ class _Chat:
         _info(f"cannot resume session {name!r}: {exc}")
         if isinstance(exc, CheckpointIncompatible):
             _info("it was saved with another model or configuration (--model, --dtype); start with those to resume it")
-        _info(f"its files are left as they are: {self.store.path_for(name)}, {self._transcript_path(name)}")
-        fresh = self._free_name(name)
+        _info(f"its files are left as they are: {self._where(name)}, {self._transcript_path(name)}")
+        fresh = await trio.to_thread.run_sync(self._free_name, name)
         answer = await trio.to_thread.run_sync(
             self.reader.ask, f"start a new session under {fresh!r}? [y/N] ", abandon_on_cancel=True
         )
@@ -339,7 +381,7 @@ class _Chat:
         n = 2
         while True:
             candidate = f"{name}-{n}"
-            if not self.store.path_for(candidate).exists() and not self._transcript_path(candidate).exists():
+            if not self._transcript_path(candidate).exists() and not self._saved(candidate):
                 return candidate
             n += 1
 
@@ -461,7 +503,7 @@ class _Chat:
                 return
             self.checkpoint_dirty = False
         if announce and saved:
-            _info(f"saved {len(self.conv.history_ids)} tokens to {self.store.path_for(self.name)}")
+            _info(f"saved {len(self.conv.history_ids)} tokens to {self._where(self.name)}")
 
     async def _reset(self, client: MultiplexedWorkerClient) -> None:
         assert self.store is not None

@@ -5,8 +5,8 @@
     delete ID...             remove saved sessions (live sessions in a worker are untouched)
     prune --older-than T     delete the sessions last saved more than T ago (T: 3600, 90m, 12h, 7d)
     verify [ID...]           read every byte and check every checksum (all sessions by default)
-    clean                    remove what killed writers left (temp files, unpublished segments), only
-                             when no writer holds the store
+    clean                    remove what killed writers left (temp files, unpublished segments) and
+                             shared blocks no session names, only when no writer holds the store
 
 Exit status: 0 on success, 1 when a session is missing or fails verification, 2 on a usage error or
 when the store cannot be used (``clean`` while a writer holds it).
@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--older-than", dest="older_than", type=parse_duration, required=True, metavar="T")
     verify = sub.add_parser("verify", help="check every checksum")
     verify.add_argument("session_ids", metavar="ID", nargs="*")
-    sub.add_parser("clean", help="remove temp files and unpublished segments of killed writers")
+    sub.add_parser(
+        "clean", help="remove temp files and unpublished segments of killed writers, and blocks no session names"
+    )
     return p
 
 

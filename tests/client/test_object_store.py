@@ -305,3 +305,271 @@ async def test_a_writer_killed_mid_upload_leaves_the_previous_save_loadable(s3_e
     assert saves >= 6, "the writers were killed before they saved anything"
     cleaned, _ = await trio.to_thread.run_sync(lambda: store.clean(older_than=0))  # what the kills left
     assert len(await trio.to_thread.run_sync(store.list_info)) == 1
+
+
+# -- content-addressed blocks, on every backend ---------------------------------------------------
+
+
+def _stored(store) -> dict[str, int]:
+    """Every file or object in the store and its size (lock files aside)."""
+    if isinstance(store, SessionStore):
+        return {n: os.path.getsize(store.path / n) for n in os.listdir(store.path) if not n.startswith(".muxworker")}
+    return {m["path"]: m["size"] for batch in obstore.list(store.store) for m in batch}
+
+
+def _blocks(store) -> set[str]:
+    return {n for n in _stored(store) if n.endswith(".mxblk")}
+
+
+def _manifest(store, sid):
+    if isinstance(store, SessionStore):
+        return store._manifest(store._open_dir(), sid)
+    return store._manifest(sid)[0]
+
+
+def _named(store, *sids) -> set[str]:
+    """The blocks the saved sessions ``sids`` name."""
+    return {r.name for sid in sids for r in _manifest(store, sid).segments if r.shared}
+
+
+def _keys(store) -> set[str]:
+    return _keys_of(_blocks(store))
+
+
+def _keys_of(names) -> set[str]:
+    return {n[:64] for n in names}
+
+
+async def _open_fast(url, model_files, refresh=0.3, **kw):
+    """A store whose collector may take unnamed blocks after 2 x ``refresh`` + 1 s (S3's
+    Last-Modified is in whole seconds), on object storage; the local store needs no wait."""
+    if "://" in url:
+        kw["block_refresh"] = refresh
+    kw.setdefault("block_tokens", 256)
+    return await _open(url, model_files, **kw)
+
+
+async def _aged(store) -> None:
+    """Wait until what the store holds may be collected."""
+    if not isinstance(store, SessionStore):
+        await trio.sleep(2 * store.block_refresh + 1.1)
+
+
+def sharing(position: int, shared: int, *, seed: int, base_seed: int = 100):
+    """A checkpoint whose first ``shared`` positions (tokens and rows) are those of every other
+    checkpoint made with the same ``base_seed``."""
+    a, b = make_checkpoint(1024, seed=base_seed), make_checkpoint(position, seed=seed)
+    tokens = b.token_ids.copy()
+    tokens[:shared] = a.token_ids[:shared]
+    layers = []
+    for la, lb in zip(a.layers, b.layers):
+        keys, values = lb.keys.copy(), lb.values.copy()
+        keys[:shared], values[:shared] = la.keys[:shared], la.values[:shared]
+        layers.append(type(lb)(0, keys, values))
+    return type(b)(format=b.format, geometry=b.geometry, position=position, token_ids=tokens, layers=layers)
+
+
+async def test_sessions_sharing_a_prefix_store_its_blocks_once_and_clean_keeps_named_ones(store_url, model_files):
+    store = await _open_fast(store_url, model_files)
+    one, two = sharing(600, 520, seed=1), sharing(700, 520, seed=2)
+    for sid, ckpt in (("one", one), ("two", two)):
+        await trio.to_thread.run_sync(store.save, sid, ckpt)
+    # [0, 256) and [256, 512) are stored once: rows 512.. differ. (An object store dates its
+    # copies in steps of block_refresh, here 0.4 s: a slow S3 may hold two copies of one key.)
+    assert len(_keys(store)) == 2 and len(_blocks(store)) <= 4
+    if not store_url.startswith("s3"):
+        assert len(_blocks(store)) == 2
+    for sid, ckpt in (("one", one), ("two", two)):
+        assert_same(await trio.to_thread.run_sync(store.load, sid), ckpt)
+        assert (await trio.to_thread.run_sync(store.info, sid)).segments == 3  # two blocks and a tail
+    # A longer version of "one" with the same rows: only its new block [512, 768) is stored.
+    longer = sharing(900, 520, seed=1)
+    for a, b in zip(longer.layers, one.layers):
+        a.keys[:600], a.values[:600] = b.keys, b.values
+    longer.token_ids[:600] = one.token_ids
+    before = _blocks(store)
+    await trio.to_thread.run_sync(store.save, "one", longer)
+    added = _blocks(store) - before
+    assert before < _blocks(store) and len({n[:64] for n in added} - _keys_of(before)) == 1
+    assert_same(await trio.to_thread.run_sync(store.load, "one"), longer)
+    # Deleting a session leaves the blocks another names; clean removes only unnamed ones.
+    await _aged(store)
+    assert await trio.to_thread.run_sync(store.delete, "one")
+    removed, _ = await trio.to_thread.run_sync(lambda: store.clean(older_than=0))
+    assert added <= {n for n in removed if n.endswith(".mxblk")}
+    assert _blocks(store) == _named(store, "two") and _keys(store) == _keys_of(before)
+    assert_same(await trio.to_thread.run_sync(store.load, "two"), two)
+    assert await trio.to_thread.run_sync(store.delete, "two")
+    await _aged(store)
+    await trio.to_thread.run_sync(lambda: store.clean(older_than=0))
+    assert _blocks(store) == set() and _stored(store) == {}
+
+
+async def test_a_collector_beside_concurrent_saves_never_takes_a_named_block(store_url, model_files):
+    # Writers save and delete sessions that share prefixes (so they name blocks others stored,
+    # and blocks go unnamed), while a collector runs clean() in a loop with the shortest ages it
+    # allows. Every save that returned must load, bit for bit, until it is replaced.
+    import random
+    import threading
+
+    from muxworker.client.store import StoreBusy
+
+    store = await _open_fast(store_url, model_files, refresh=1.0)  # a writer publishes within 0.5 s
+    stop = threading.Event()
+    saved: dict[str, object] = {}
+    locks = [threading.Lock() for _ in range(3)]  # writer k's saves and what it records of them
+    errors: list[BaseException] = []
+    collected = [0]
+
+    def writer(k: int) -> None:
+        rng = random.Random(k)
+        try:
+            for _ in range(12):
+                sid = f"w{k}-{rng.randrange(3)}"
+                position = rng.choice((300, 520, 800))
+                ckpt = sharing(position, min(position, rng.choice((0, 256, 512))), seed=rng.randrange(4))
+                with locks[k]:
+                    store.save(sid, ckpt)
+                    saved[sid] = ckpt
+                if rng.random() < 0.25:
+                    with locks[k]:
+                        store.delete(sid)
+                        saved.pop(sid)
+                time.sleep(rng.random() * 0.05)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    # The shortest age that is safe beside writers: 0 for the local store (clean() excludes
+    # writers), 2 x block_refresh on object storage (clean()'s docstring).
+    age = 0 if isinstance(store, SessionStore) else 2 * store.block_refresh
+
+    def collector() -> None:
+        while not stop.is_set():
+            try:
+                removed, _ = store.clean(older_than=age)
+                collected[0] += sum(n.endswith(".mxblk") for n in removed)
+            except StoreBusy:
+                pass  # the local store collects only while no writer holds it
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+            time.sleep(0.01)
+
+    def check() -> None:
+        for lock in locks:
+            lock.acquire()
+        try:
+            for sid, ckpt in saved.items():
+                assert_same(store.load(sid), ckpt)
+        finally:
+            for lock in locks:
+                lock.release()
+
+    with trio.fail_after(HANG_GUARD_S):
+        threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+        gc = threading.Thread(target=collector)
+        for t in [*threads, gc]:
+            t.start()
+        for _ in range(5):
+            await trio.to_thread.run_sync(check)
+            await trio.sleep(0.1)
+        for t in threads:
+            await trio.to_thread.run_sync(t.join)
+        stop.set()
+        await trio.to_thread.run_sync(gc.join)
+    assert not errors, errors
+    await trio.to_thread.run_sync(check)
+    assert sorted(saved) == await trio.to_thread.run_sync(store.list)
+    # Nothing named went, and what went unnamed is eventually collected.
+    await _aged(store)
+    await trio.to_thread.run_sync(lambda: store.clean(older_than=0))
+    await trio.to_thread.run_sync(check)
+    assert _blocks(store) == _named(store, *saved)
+
+
+async def test_a_worker_saves_in_blocks_and_sessions_from_one_prompt_share_them(store_url, tiny_model_factory):
+    # Through the file channel: a save that stays inside a block appends a tail segment; one that
+    # completes a block is written from the end of the last block, which the store cuts into a
+    # new block and a tail. A second session whose prompt the prefix cache served from the first
+    # holds the same rows, so it names the same blocks; both resume exactly on another worker.
+    from muxworker.client import default_worker_command
+
+    model_dir = tiny_model_factory("llama")
+    command = default_worker_command(
+        model_dir, dtype="float32", max_sessions=4, max_session_tokens=1024, prefix_cache_entries=2
+    )
+    files = [model_dir / "model.safetensors", model_dir / "tokenizer.json"]
+    config = {"backend": "torch", "dtype": "float32", "max_session_tokens": 1024}
+    store = await open_store(store_url, model_files=files, configuration=config, block_tokens=256)
+    prompt = [5 + (i * 7) % 90 for i in range(300)]
+    with trio.fail_after(HANG_GUARD_S):
+        async with spawn_multiplexed_worker(command, session_store=store) as client:
+            await client.open_session("a")
+            r1 = await client.generate(prompt, greedy("a")).wait()
+            s1 = await client.save_session("a")
+            assert (s1.start, s1.segments) == (0, 2)  # [0, 256) and a tail
+            history = prompt + r1.generated_token_ids + [7] * 10
+            r2 = await client.generate(history, greedy("a")).wait()
+            s2 = await client.save_session("a")
+            assert (s2.start, s2.segments) == (s1.position, 3)  # inside the second block: a new tail only
+            history += r2.generated_token_ids + [9 + i % 50 for i in range(200)]
+            r3 = await client.generate(history, greedy("a")).wait()
+            s3 = await client.save_session("a")
+            assert s3.position > 512 and (s3.start, s3.segments) == (256, 3)  # from the last block: 2 blocks, a tail
+            history += r3.generated_token_ids
+            live_a = await client.generate(history + [11], greedy("a", 10)).wait()
+
+            await client.open_session("b")
+            rb = await client.generate(prompt, greedy("b")).wait()
+            assert rb.reused_prompt_tokens >= 256
+            await client.save_session("b")
+            live_b = await client.generate(prompt + rb.generated_token_ids + [12], greedy("b", 10)).wait()
+        a, b = _manifest(store, "a").segments[0], _manifest(store, "b").segments[0]
+        assert a.shared and a.name[:64] == b.name[:64]  # the same rows: one key
+        assert len(_keys(store)) == 2
+
+        async with spawn_multiplexed_worker(command, session_store=store) as client:
+            for sid, tail, live in (
+                ("a", history + [11], live_a),
+                ("b", prompt + rb.generated_token_ids + [12], live_b),
+            ):
+                await client.resume_session(sid)
+                resumed = await client.generate(tail, greedy(sid, 10)).wait()
+                assert resumed.reused_prompt_tokens == len(tail) - 2  # the saved position
+                assert resumed.generated_token_ids == live.generated_token_ids
+
+
+def test_the_chat_saves_and_resumes_a_session_on_s3(s3_env, tiny_llama_dir, tmp_path):
+    from test_chat import STATS, Terminal
+
+    url = f"s3://{BUCKET}/chat-{os.urandom(4).hex()}"
+    env = {**os.environ, **s3_env, "PYTHONUNBUFFERED": "1"}
+    argv = [
+        sys.executable, "-m", "muxworker.chat", "--session", "t1", "--store", url,
+        "--transcripts", str(tmp_path / "transcripts"), "--model", str(tiny_llama_dir), "--threads", "1",
+        "--max_new_tokens", "12",
+    ]  # fmt: skip
+    term = Terminal(argv, env)
+    try:
+        term.expect(r"new session 't1'")
+        term.expect(r"you> ")
+        term.send("Hello there")
+        term.expect(STATS)
+        term.expect(r"you> ")
+        term.send("/quit")
+        saved = term.expect(r"saved (\d+) tokens to s3://")
+        assert term.close() == 0
+        term = Terminal(argv, env)
+        assert term.expect(r"resumed session 't1': (\d+) tokens restored").group(1) == saved.group(1)
+        term.expect(r"you> ")
+        term.send("One more")
+        assert int(term.expect(STATS).group(3)) == int(saved.group(1)) - 1  # all of it reused
+        term.expect(r"you> ")
+        term.send("/quit")
+        term.expect(r"saved")
+        assert term.close() == 0
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+            term.proc.wait()
+    assert [n for n in os.listdir(tmp_path / "transcripts") if n.endswith(".json")]

@@ -70,8 +70,11 @@ async def _turn(client, sid: str, history: list[int], i: int, n: int = 6) -> lis
     return prompt + result.generated_token_ids
 
 
-async def test_saves_are_incremental_and_resumes_are_exact(worker_command, model_dir, tmp_path):
-    store = await _store(tmp_path / "store", model_dir)
+@pytest.mark.parametrize("block_tokens", [0, 256])
+async def test_saves_are_incremental_and_resumes_are_exact(worker_command, model_dir, tmp_path, block_tokens):
+    # Without blocks the worker writes straight into the store's file; with blocks (none is
+    # completed here: 134 positions) through a memory file the store copies. Both append.
+    store = await _store(tmp_path / "store", model_dir, block_tokens=block_tokens)
     with trio.fail_after(HANG_GUARD_S):
         async with spawn_multiplexed_worker(worker_command, session_store=store) as live:
             assert live.info.files
@@ -239,10 +242,10 @@ async def test_kill_9_of_the_saving_process_at_random_moments_keeps_the_last_com
             if line.startswith("done"):
                 break
     assert kills >= 5
-    # What the killed writers left behind (their unpublished segments) goes with clean(), and the
-    # session is still whole after it.
+    # What the killed writers left behind (their unpublished segments, and blocks of saves they
+    # did not publish) goes with clean(), and the session is still whole after it.
     removed, _ = store.clean()
-    assert all(name.endswith((".mxseg", ".tmp")) for name in removed)
+    assert all(name.endswith((".mxseg", ".tmp", ".mxblk")) for name in removed)
     assert store.verify("s").tokens == store.load("s").position
 
 

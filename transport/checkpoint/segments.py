@@ -63,6 +63,8 @@ __all__ = [
     "head_major_bytes",
     "file_version",
     "write_segment",
+    "plan_segment",
+    "SegmentPlan",
     "read_segment_header",
     "read_payload_into",
     "read_payload",
@@ -105,6 +107,7 @@ _SESSION_KEYS = {
     "file_length",
 }
 _REF_KEYS = {"name", "start", "end", "file_length", "header_crc"}
+_SHARED_REF_KEYS = _REF_KEYS | {"shared"}
 _MAX_NAME = 255
 _MAX_POSITION = (1 << 31) - 1
 
@@ -184,27 +187,37 @@ def _trailer(file_length: int, head_crc: int) -> bytes:
 
 @dataclass(frozen=True)
 class SegmentRef:
-    """What a session manifest records of one of its segments (a swapped file fails these)."""
+    """What a session manifest records of one of its segments (a swapped file fails these).
+
+    ``shared``: a content-addressed block (transport/checkpoint/blocks.py), which any session with
+    the same rows may name; its header names no session, and its file length and header CRC bind
+    the exact file."""
 
     name: str
     start: int
     end: int
     file_length: int
     header_crc: int
+    shared: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "name": self.name,
             "start": self.start,
             "end": self.end,
             "file_length": self.file_length,
             "header_crc": self.header_crc,
         }
+        if self.shared:
+            wire["shared"] = True
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Any, where: str) -> SegmentRef:
-        if not isinstance(obj, dict) or obj.keys() != _REF_KEYS:
-            raise CheckpointCorrupt(f"{where} must be a map with fields {sorted(_REF_KEYS)}")
+        if not isinstance(obj, dict) or obj.keys() not in (_REF_KEYS, _SHARED_REF_KEYS):
+            raise CheckpointCorrupt(f"{where} must be a map with fields {sorted(_REF_KEYS)} (and shared)")
+        if obj.get("shared", True) is not True:
+            raise CheckpointCorrupt(f"{where}.shared must be true when present")
         name = _text(obj["name"], f"{where}.name", _MAX_NAME)
         if "/" in name or name.startswith("."):
             raise CheckpointCorrupt(f"{where}.name {name!r} is not a plain segment file name")
@@ -216,6 +229,7 @@ class SegmentRef:
             end,
             _int(obj["file_length"], f"{where}.file_length"),
             _int(obj["header_crc"], where, 0, 2**32 - 1),
+            "shared" in obj,
         )
 
 
@@ -272,6 +286,17 @@ def _crc_of(views: Sequence[memoryview]) -> int:
     return crc
 
 
+@dataclass
+class SegmentPlan:
+    """A segment laid out but not written: ``buffers`` concatenate to its bytes (views of the
+    caller's memory, zero padding, header and trailer); ``crcs`` are its payloads' CRC32Cs."""
+
+    buffers: list[memoryview | bytes]
+    file_length: int
+    header_crc: int
+    crcs: list[int]
+
+
 def write_segment(
     fd: int,
     *,
@@ -289,6 +314,33 @@ def write_segment(
     caller's memory (gather writes, no concatenation). Raises OSError as the system does (the
     caller names the file) and :class:`CheckpointMalformed` for rows that contradict the geometry.
     """
+    plan = plan_segment(
+        session_id=session_id,
+        identity=identity,
+        format=format,
+        geometry=geometry,
+        start=start,
+        token_ids=token_ids,
+        layers=layers,
+    )
+    _write_all(fd, plan.buffers)
+    os.fsync(fd)
+    return plan.file_length, plan.header_crc
+
+
+def plan_segment(
+    *,
+    session_id: str,
+    identity: str,
+    format: dict,
+    geometry: dict,
+    start: int,
+    token_ids: np.ndarray,
+    layers: Sequence[LayerRows],
+    crcs: Sequence[int] | None = None,
+) -> SegmentPlan:
+    """Lay out one segment (as :func:`write_segment` writes it) without writing it. ``crcs``: the
+    payloads' CRC32Cs when the caller has them already."""
     tokens = np.ascontiguousarray(token_ids, dtype=np.int32)
     end = start + int(tokens.shape[0])
     if tokens.shape[0] == 0:
@@ -306,7 +358,7 @@ def write_segment(
                 raise CheckpointMalformed(f"layer {i} holds {_views_nbytes(part)} bytes for {layer.rows} rows")
             payloads.append(part)
     lengths = [_views_nbytes(p) for p in payloads]
-    crcs = [_crc_of(p) for p in payloads]
+    crcs = list(crcs) if crcs is not None else [_crc_of(p) for p in payloads]
     fields: dict[str, Any] = {
         "kind": "segment",
         "session_id": session_id,
@@ -340,9 +392,7 @@ def write_segment(
         buffers.extend(views)
         position = offset + n
     buffers.append(_trailer(file_length, head_crc))
-    _write_all(fd, buffers)
-    os.fsync(fd)
-    return file_length, head_crc
+    return SegmentPlan(buffers, file_length, head_crc, crcs)
 
 
 def write_checkpoint_segment(fd: int, session_id: str, identity: str, checkpoint: CPUCheckpoint) -> dict[str, Any]:
@@ -562,7 +612,7 @@ def read_session_manifest(fd: int, path: str) -> SessionManifest:
 def check_chain(m: SessionManifest, headers: Sequence[SegmentHeader], path: str) -> None:
     """Each segment belongs to this session, identity and shape (the refs already matched)."""
     for ref, h in zip(m.segments, headers):
-        if h.session_id != m.session_id:
+        if h.session_id != m.session_id and not ref.shared:
             raise CheckpointCorrupt(
                 f"segment {ref.name} of {path!r} holds session {h.session_id!r}, not {m.session_id!r}"
             )

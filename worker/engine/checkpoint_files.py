@@ -9,8 +9,9 @@ Backends that cannot lend host views of their cache (a GPU, MLX) go through ``ex
 
 Incremental saves: a session remembers ``durable = (tag, rows)``, meaning rows ``[0, rows)`` of
 its slot are exactly what the store's save ``tag`` holds (set by a save or a restore, dropped when
-the history is cut below ``rows``). A save whose base is that tag writes only positions
-``[rows, kv_len)``; any other base gets a full save.
+the history is cut below ``rows``). A save whose base is that tag and a position ``p <= rows``
+writes only positions ``[p, kv_len)`` (from the base's ``block_start`` instead when a block store's
+new rows cross a block boundary); any other base gets a full save.
 
 Owner: the engine thread (these functions are called from Engine methods only).
 """
@@ -18,7 +19,7 @@ Owner: the engine thread (these functions are called from Engine methods only).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -44,13 +45,24 @@ from muxworker.transport.checkpoint.segments import (
     read_segment_header,
     write_segment,
 )
-from muxworker.transport.errors import CheckpointRejected
+from muxworker.transport.errors import CheckpointRejected, InvalidArgument
 
 if TYPE_CHECKING:
     from .core import Engine
     from .state import Session
 
-__all__ = ["save_segment", "restore_segments"]
+__all__ = ["SaveBase", "save_segment", "restore_segments"]
+
+
+class SaveBase(NamedTuple):
+    """What a save may build on: rows ``[0, position)`` of the slot are in the store's save ``tag``.
+    A store saving blocks of ``block_tokens`` positions (0: none) has its last block end at
+    ``block_start``; a save that crosses a block boundary is written from there."""
+
+    tag: str
+    position: int
+    block_start: int | None = None
+    block_tokens: int = 0
 
 
 def save_segment(
@@ -59,7 +71,7 @@ def save_segment(
     fd: int,
     *,
     tag: str,
-    base: tuple[str, int] | None,
+    base: SaveBase | None,
     session_id: str,
     identity: str,
     max_bytes: int,
@@ -72,8 +84,13 @@ def save_segment(
     executor = engine.executor
     position = s.kv_len
     start = 0
-    if base is not None and s.durable is not None and s.durable == base and base[1] <= position:
-        start = base[1]
+    if base is not None and s.durable is not None and s.durable[0] == base.tag and base.position <= s.durable[1]:
+        # The store's save base.tag holds rows [0, s.durable[1]) of this slot, so [0, base.position) too.
+        start = base.position
+        if base.block_tokens and position // base.block_tokens > start // base.block_tokens:
+            if base.block_start is None or base.block_start > start:
+                raise InvalidArgument(f"base.block_start {base.block_start} is after base.position {start}")
+            start = base.block_start  # the store cuts blocks from its last one's end
     geometry = engine.geometry()
     shape = {"format": engine.executor_format(), "geometry": geometry}
     if start == position:
@@ -152,8 +169,8 @@ def restore_segments(
     names = [f"segment {ref.name} of saved session {session_id!r}" for ref in refs]
     headers: list[SegmentHeader] = [read_segment_header(fd, name, ref) for fd, ref, name in zip(fds, refs, names)]
     fmt, geometry = engine.executor_format(), engine.geometry()
-    for h, name in zip(headers, names):
-        if h.session_id != session_id:
+    for h, name, ref in zip(headers, names, refs):
+        if h.session_id != session_id and not ref.shared:  # a shared block is bound by its ref
             raise CheckpointCorrupt(f"{name} holds session {h.session_id!r}")
         if h.identity != identity:
             raise CheckpointIncompatible(f"{name} was saved under another model/configuration identity")

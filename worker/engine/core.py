@@ -684,11 +684,11 @@ class Engine:
     # ----------------------------------------------------------------- checkpoint files
 
     def save_file(
-        self, sid: str, fd: int, *, tag: str, base: tuple[str, int] | None, identity: str, max_bytes: int
+        self, sid: str, fd: int, *, tag: str, base: checkpoint_files.SaveBase | None, identity: str, max_bytes: int
     ) -> dict[str, Any]:
         """Write session ``sid`` at its committed boundary as one segment into the open, empty file
-        ``fd`` (checkpoint_files.py): only the rows after ``base`` when the session's slot still
-        holds exactly what the store's save ``base`` does, else all of them."""
+        ``fd`` (checkpoint_files.py): only the rows after ``base.position`` when the session's slot
+        still holds what the store's save ``base.tag`` does up to there, else all of them."""
         s = self._session(sid)
         self._check_saveable(s)
         if self.proposer is not None:

@@ -20,6 +20,7 @@ from muxworker.transport.checkpoint.errors import CheckpointCorrupt, CheckpointT
 from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import CheckpointRejected, SessionNotFound, Unsaveable
 from muxworker.worker.build import load_engine
+from muxworker.worker.engine.checkpoint_files import SaveBase
 from muxworker.worker.engine.config import EngineConfig
 
 IDENTITY = "test-identity"
@@ -56,7 +57,7 @@ class Store:
         name = f"{secrets.token_hex(4)}.mxseg"
         fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         tag = secrets.token_hex(8)
-        base = (self.tag, self.refs[-1].end) if incremental and self.refs else None
+        base = SaveBase(self.tag, self.refs[-1].end) if incremental and self.refs else None
         try:
             out = engine.save_file(sid, fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
         finally:
@@ -185,6 +186,40 @@ def test_a_cut_history_or_another_base_saves_in_full(model_dir, tmp_path):
     other = make(model_dir)
     store.restore(other, "r")
     assert_same_state(live, "s", other, "r")
+
+
+def test_a_base_below_the_saved_rows_and_a_block_crossing_save_start_where_the_store_says(model_dir, tmp_path):
+    # The store's save holds rows [0, 40): a base at position 16 of it writes from 16. A store
+    # saving blocks of 32 gets rows from its last block's end (block_start) when the new rows
+    # cross a block boundary, and from base.position when they stay inside one block.
+    live = make(model_dir)
+    live.open_session("s")
+    history = prompt_ids(41, seed=11)
+    turn(live, "s", history, n=1)
+    fd = os.memfd_create("seg")
+    try:
+        first = live.save_file("s", fd, tag="t1", base=None, identity=IDENTITY, max_bytes=BIG)
+    finally:
+        os.close(fd)
+    assert (first["start"], first["position"]) == (0, 41)
+
+    def save(tag, base):
+        fd = os.memfd_create("seg")
+        try:
+            return live.save_file("s", fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
+        finally:
+            os.close(fd)
+
+    assert save("t2", SaveBase("t1", 16))["start"] == 16  # a position the save holds rows up to
+    history = live.session_tokens("s") + prompt_ids(10, seed=12)
+    turn(live, "s", history, n=1)  # to position 52: still inside the block [32, 64)
+    assert save("t3", SaveBase("t2", 41, block_start=32, block_tokens=32))["start"] == 41
+    history = live.session_tokens("s") + prompt_ids(20, seed=13)
+    turn(live, "s", history, n=1)  # past 64: completes the block [32, 64)
+    assert save("t4", SaveBase("t3", 51, block_start=32, block_tokens=32))["start"] == 32
+    # A base beyond what the slot holds for that tag, or another tag, is a full save.
+    assert save("t5", SaveBase("t4", 10_000))["start"] == 0
+    assert save("t6", SaveBase("t1", 8))["start"] == 0
 
 
 def test_damaged_or_foreign_segments_are_refused_and_publish_nothing(model_dir, tmp_path):

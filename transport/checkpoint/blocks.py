@@ -1,0 +1,185 @@
+"""Content-addressed blocks: the rows of fixed token ranges, stored once for every session that has them.
+
+A store that saves in blocks (``block_tokens`` B, 128 by default) keeps a session as a run of
+**blocks** ``[0, B), [B, 2B), ...`` followed by a **tail** run of ordinary segments up to the
+session's position (file version 3 segments both; docs/CHECKPOINT_FORMAT.md). A block is named by
+its **key**::
+
+    key_0 = sha256("muxworker-block-1" | identity | format | geometry)   (the chain's seed)
+    key_k = sha256(key_{k-1} | start, end, layer layout, payload CRC32Cs | token ids of the block)
+
+so a key covers the model identity, the whole token prefix up to the block's end (through the
+chain), which rows of each layer the block holds (a sliding-window layer may hold fewer), and the
+CRC32C of every payload. Two sessions name the same block only when their rows are bit-identical:
+rows computed for the same tokens in different batches can differ in the last bits, and such
+sessions simply keep their own blocks. So a session resumed from shared blocks holds exactly the
+rows it saved, and stays exact; the sharing comes from the prefix cache, which hands the same rows
+to every session that starts with the same prompt.
+
+The worker writes one segment per save (the rows since its base); :func:`split_segment` cuts it
+at the block boundaries into block pieces and one tail piece, as views of the segment's own
+memory (no copy until a piece is written). Only numpy, the file container and segments here; the
+stores (client/store.py, client/object_store.py) decide which blocks are already stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from muxworker.native import crc32c
+
+from .segments import LayerRows, SegmentHeader, SegmentPlan, plan_segment
+from .state import numpy_storage_dtype
+
+__all__ = [
+    "BLOCK_SUFFIX",
+    "BLOCK_NAME",
+    "BLOCK_SESSION",
+    "DEFAULT_BLOCK_TOKENS",
+    "MAX_BLOCKS",
+    "Piece",
+    "SegmentMemory",
+    "chain_seed",
+    "split_segment",
+]
+
+#: A block's file name is ``<key>.mxblk`` (64 hex digits); on object storage, where copies are
+#: dated for the collector, ``<key>.<epoch>.mxblk``.
+BLOCK_SUFFIX = ".mxblk"
+BLOCK_NAME = re.compile(r"([0-9a-f]{64})(?:\.[0-9a-f]{1,16})?\.mxblk")
+#: The session id in a block's header: a block belongs to no session (its refs are ``shared``).
+BLOCK_SESSION = "(shared block)"
+DEFAULT_BLOCK_TOKENS = 128
+#: Blocks per session at most; positions past ``MAX_BLOCKS * block_tokens`` stay in the tail run.
+#: With the tail's compaction this keeps a session's files under the file channel's 240 descriptors.
+MAX_BLOCKS = 200
+
+
+@dataclass
+class Piece:
+    """One segment to store, cut from a worker's segment: a block (``key`` set) or the tail."""
+
+    start: int
+    end: int
+    key: str | None
+    plan: SegmentPlan
+
+    @property
+    def name(self) -> str | None:
+        return None if self.key is None else self.key + BLOCK_SUFFIX
+
+
+class SegmentMemory:
+    """A segment file mapped read-only, for views of its payloads (close after the pieces are stored)."""
+
+    def __init__(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
+
+    def close(self) -> None:
+        self.view.release()
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # a view is still exported; the map goes with the last one
+
+    def __enter__(self) -> SegmentMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def chain_seed(identity: str, format: dict, geometry: dict) -> str:
+    """The key a session's first block chains from."""
+    shape = json.dumps([format, geometry], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(b"muxworker-block-1\0" + identity.encode() + b"\0" + shape.encode()).hexdigest()
+
+
+def split_segment(
+    memory: SegmentMemory,
+    header: SegmentHeader,
+    *,
+    session_id: str,
+    block_tokens: int,
+    parent_key: str | None,
+) -> list[Piece]:
+    """Cut the verified segment ``header`` (mapped as ``memory``) into pieces: blocks of
+    ``block_tokens`` positions where the segment starts on a block boundary (``parent_key``: the
+    key of the block before it, None at position 0), up to :data:`MAX_BLOCKS`, then one tail
+    piece for the rest (``session_id``'s own segment). A segment that starts inside a block is
+    one tail piece. Every piece's payloads are views of ``memory``."""
+    start, end = header.start, header.end
+    cuts = [start]
+    limit = MAX_BLOCKS * block_tokens if block_tokens else 0
+    if block_tokens and start % block_tokens == 0 and start < limit:
+        a = start
+        while a + block_tokens <= min(end, limit):
+            a += block_tokens
+            cuts.append(a)
+    if cuts[-1] != end:
+        cuts.append(end)
+    key = parent_key if parent_key is not None else chain_seed(header.identity, header.format, header.geometry)
+    pieces = []
+    for a, b in zip(cuts, cuts[1:]):
+        is_block = bool(block_tokens) and b - a == block_tokens and a % block_tokens == 0 and b <= limit
+        tokens, layers, crcs = _rows(memory, header, a, b)
+        if is_block:
+            layout = [layer.lo - a for layer in layers]
+            h = hashlib.sha256(bytes.fromhex(key))
+            h.update(msgpack.packb([a, b, layout, crcs]))
+            h.update(tokens.tobytes())
+            key = h.hexdigest()
+        plan = plan_segment(
+            session_id=BLOCK_SESSION if is_block else session_id,
+            identity=header.identity,
+            format=header.format,
+            geometry=header.geometry,
+            start=a,
+            token_ids=tokens,
+            layers=layers,
+            crcs=crcs,
+        )
+        pieces.append(Piece(a, b, key if is_block else None, plan))
+    return pieces
+
+
+def _rows(
+    memory: SegmentMemory, header: SegmentHeader, a: int, b: int
+) -> tuple[np.ndarray, list[LayerRows], list[int]]:
+    """Positions [a, b) of the segment: token ids, each layer's rows (views) and every payload's CRC."""
+    view = memory.view
+    kv, d = header.geometry["num_kv_heads"], header.geometry["head_dim"]
+    row_bytes = d * numpy_storage_dtype(header.format["dtype"]).itemsize
+    offset = header.payloads[0][0] + 4 * (a - header.start)
+    token_bytes = view[offset : offset + 4 * (b - a)]
+    tokens = np.frombuffer(token_bytes, dtype=np.int32)
+    crcs = [crc32c(token_bytes)]
+    layers = []
+    for i, (seg_lo, rows) in enumerate(header.layers):
+        lo = max(seg_lo, a) if seg_lo < b else b
+        n = b - lo
+        parts = []
+        for part in (0, 1):
+            base = header.payloads[header.payload_index(i, part)][0]
+            runs = []
+            for head in range(kv):
+                first = base + (head * rows + (lo - seg_lo)) * row_bytes
+                runs.append(view[first : first + n * row_bytes])
+            crc = 0
+            for run in runs:
+                crc = crc32c(run, crc)
+            crcs.append(crc)
+            parts.append(runs)
+        layers.append(LayerRows(lo, n, parts[0], parts[1]))
+    return tokens, layers, crcs
