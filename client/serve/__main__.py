@@ -89,6 +89,17 @@ def _parser() -> argparse.ArgumentParser:
         "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default: 30)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on a local Ray cluster: --replicas servers, each with its own worker, behind a "
+        "session-affinity router (pip install 'muxworker[serve]'; docs/SCALE_OUT.md)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: servers, each with its own worker (default: 2)")
+    p.add_argument("--ray-num-cpus", type=int, default=None, help="with --ray: CPUs of the local Ray cluster")
+    # Set by a Ray replica on the server it runs (muxworker.serve.ray), not by people.
+    p.add_argument("--internal-token", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -108,7 +119,13 @@ async def _run(args: argparse.Namespace, worker_command: list[str], store: Store
             log.error("the worker did not start: %s", exc)
             return 1
         name = args.served_model_name or _default_name(args.model)
-        app = create_app(service, metrics, AppConfig(name, api_keys=keys, max_request_bytes=args.max_request_bytes))
+        app = create_app(
+            service,
+            metrics,
+            AppConfig(
+                name, api_keys=keys, max_request_bytes=args.max_request_bytes, internal_token=args.internal_token
+            ),
+        )
         config = Config()
         config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
         config.graceful_timeout = args.graceful_timeout
@@ -122,8 +139,18 @@ async def _run(args: argparse.Namespace, worker_command: list[str], store: Store
                     stop.set()
                     return
 
+        async def watch_lifeline(fd: int) -> None:
+            # The process that started this server holds the other end: EOF means it is gone.
+            stream = trio.lowlevel.FdStream(fd)
+            while await stream.receive_some(4096):
+                pass
+            log.warning("the process that started this server is gone: stopping")
+            stop.set()
+
         async with trio.open_nursery() as http:
             http.start_soon(watch_signals)
+            if args.lifeline_fd is not None:
+                http.start_soon(watch_lifeline, args.lifeline_fd)
             binds = await http.start(
                 lambda task_status: serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
             )
@@ -147,6 +174,10 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         return f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}"
     if not args.graceful_timeout >= 0:
         return f"--graceful-timeout must be >= 0, got {args.graceful_timeout}"
+    if not 1 <= args.replicas <= 1024:
+        return f"--replicas must be in 1..1024, got {args.replicas}"
+    if args.ray_num_cpus is not None and args.ray_num_cpus < 1:
+        return f"--ray-num-cpus must be at least 1, got {args.ray_num_cpus}"
     if args.port:
         try:
             family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -156,6 +187,39 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         except OSError as exc:
             return f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
     return None
+
+
+def _run_ray(args: argparse.Namespace, argv: list[str]) -> int:
+    """--ray: every flag but the Ray ones goes to each replica's server as given."""
+    try:
+        from . import ray as ray_serve
+    except ImportError as exc:
+        print(f"muxworker serve: --ray needs Ray Serve (pip install 'muxworker[serve]'): {exc}", file=sys.stderr)
+        return 2
+    server_args = _without(argv, {"--ray": 0, "--replicas": 1, "--ray-num-cpus": 1, "--host": 1, "--port": 1})
+    name = args.served_model_name or _default_name(args.model)
+
+    def ready(url: str) -> None:
+        print(f"{READY_PREFIX} {name} on {url} ({args.replicas} replicas on Ray)", flush=True)
+
+    return ray_serve.run(
+        server_args, replicas=args.replicas, host=args.host, port=args.port, num_cpus=args.ray_num_cpus, ready=ready
+    )
+
+
+def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """``argv`` without ``flags`` (name: how many values follow it), in both --flag V and --flag=V forms."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = flags[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
 
 
 def _default_name(model: str | None) -> str:
@@ -177,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"muxworker serve: {problem}", file=sys.stderr)
         return 2
+    if args.ray:
+        return _run_ray(args, argv if argv is not None else sys.argv[1:])
     keys = tuple(args.api_key) + ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
     if any(not k.strip() or k != k.strip() for k in keys):
         print("muxworker serve: an API key must be non-empty, without surrounding spaces", file=sys.stderr)

@@ -48,6 +48,7 @@ class AppConfig:
     served_model_name: str
     api_keys: tuple[str, ...] = ()  # empty: no authentication (bind 127.0.0.1 only)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    internal_token: str | None = None  # enables GET /v1/internal/routing for this token alone (Ray replicas)
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -327,6 +328,14 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
             return _json({"status": "ok"})
         return _json({"status": "unavailable", "reason": service.last_error or "starting"}, 503, {"Retry-After": "1"})
 
+    @_endpoint(guard, "routing", auth=False)
+    async def routing(request: Request, tenant: Tenant) -> Response:
+        # Only for the Ray replica that started this server (its own random token), whatever the API keys.
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {config.internal_token}".encode()):
+            raise oa.APIError(401, "invalid internal token", type="authentication_error", code="invalid_api_key")
+        return _json(service.routing_stats())
+
     @_endpoint(guard, "metrics")
     async def metrics_endpoint(request: Request, tenant: Tenant) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -388,6 +397,7 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        *([Route("/v1/internal/routing", routing, methods=["GET"])] if config.internal_token else []),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),

@@ -37,11 +37,13 @@ class ServerProcess:
         startup_timeout: float = 180.0,
         env: dict[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.args = ["--port", "0", *args] if "--port" not in args else list(args)
         self.startup_timeout = startup_timeout
         self.env = env
         self.log_path = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(suffix=".log")[1])
+        self.pass_fds = tuple(pass_fds)
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
         self.model = ""
@@ -55,6 +57,7 @@ class ServerProcess:
             stderr=log,
             text=True,
             env={**os.environ, **(self.env or {})},
+            pass_fds=self.pass_fds,
         )
         ready = threading.Event()
         line_box: list[str] = []

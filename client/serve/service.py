@@ -253,6 +253,24 @@ class ModelService:
 
     # -- sessions -----------------------------------------------------------------------------------
 
+    def routing_stats(self) -> dict[str, Any]:
+        """What a router placing sessions on many servers needs (muxworker.serve.ray): the ids of
+        the named sessions live in the worker (without their tenant: the router sees only the
+        X-Session-Id header), the worker's free session slots, evictions so far, the worker's pid."""
+        runtime, client = self._runtime, self._client
+        if runtime is None or client is None or client.info is None:
+            return {"ready": False, "sessions": [], "free_slots": 0, "evictions": 0, "worker_pid": None}
+        live = runtime.live_sessions()
+        named = {sid.split("/", 1)[1] for sid in live if "/" in sid}
+        max_sessions = client.info.limits.get("max_sessions")
+        return {
+            "ready": True,
+            "sessions": sorted(s for s in named if not s.startswith("~")),
+            "free_slots": max(0, max_sessions - len(live)) if isinstance(max_sessions, int) else None,
+            "evictions": runtime.session_stats["evictions"],
+            "worker_pid": client.pid,
+        }
+
     async def ensure_session(self, sid: str) -> bool:
         """Make ``sid`` usable: live or evicted already, else resumed from the store when saved
         there, else opened empty. Returns whether it was resumed now. Concurrent first requests

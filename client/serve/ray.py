@@ -1,0 +1,310 @@
+"""Many workers behind one endpoint, on Ray Serve: session-affinity routing, failover by resume.
+
+``pip install 'muxworker[serve]'``; ``python -m muxworker.serve --ray --replicas N [server flags]
+[worker flags]`` (docs/SCALE_OUT.md).
+
+- **A replica** (:class:`MuxworkerReplica`, one Ray actor) owns one ``python -m muxworker.serve``
+  child on 127.0.0.1, which owns one worker subprocess: the same OpenAI-compatible app, sessions,
+  tenants and saves as a single server. The replica forwards each request to it (streaming) and
+  reports what the router needs through Serve's routing-stats hook: the sessions live in its worker
+  and its free session slots. The child holds a lifeline pipe to the replica: when the replica dies
+  (killed, or its node lost) the child sees EOF, stops and its worker exits with it.
+- **The router** (:class:`SessionAffinityRouter`, a Serve request router) places a request that
+  names a session (``X-Session-Id``, which Serve's proxy hands to the router as the request's
+  session id): first on the replica that holds the session live, then on a replica with a free slot
+  in a stable order for that session (rendezvous hashing, so every proxy agrees and a replica
+  joining or leaving moves only its own share), then on the least loaded. A request without a
+  session goes to the least loaded.
+- **Failover.** What is shared is only the store (an ``s3://`` URL, or a directory every replica
+  reaches). A session whose replica is busy, full or gone is resumed from the store by another:
+  the client always sends the whole conversation and the worker reuses only the exactly matching
+  prefix, so a routing mistake costs recompute time, never a wrong answer, and no lock is needed.
+
+Owners: the router's state (a session -> replica table of its own placements) is per proxy
+process; each replica's state is its child server's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "SessionAffinityRouter",
+    "MuxworkerReplica",
+    "ReplicaView",
+    "rank_replicas",
+    "deployment",
+    "REPLICA_HEADER",
+    "WORKER_PID_HEADER",
+]
+
+#: Response header naming the replica that served a request (its Serve unique id).
+REPLICA_HEADER = "x-muxworker-replica"
+#: Response header with the pid of that replica's worker process (once it reported its stats).
+WORKER_PID_HEADER = "x-muxworker-worker-pid"
+#: Routing stats period: how stale the replicas' reports of their sessions may be. The router's own
+#: table of placements covers the sessions it placed since.
+STATS_PERIOD_S = 0.5
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows of one replica: its id, its last routing stats, its queue length."""
+
+    replica_id: str
+    sessions: frozenset[str]
+    free_slots: int | None  # None: not reported yet
+    load: int
+
+
+def _weight(session_id: str, replica_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session_id}\0{replica_id}".encode(), digest_size=8).digest(), "big")
+
+
+def rank_replicas(session_id: str | None, replicas: Sequence[ReplicaView], placed: str | None = None) -> list[str]:
+    """Replica ids in the order to try for a request of ``session_id``: the replica this router
+    placed it on last (``placed``), the ones reporting it live, the ones with a free slot in the
+    session's rendezvous-hash order, then all by load. Sans-Ray, for tests and the router."""
+    order: list[str] = []
+
+    def add(ids: Iterable[str]) -> None:
+        for rid in ids:
+            if rid not in order:
+                order.append(rid)
+
+    known = {r.replica_id for r in replicas}
+    if session_id:
+        if placed is not None and placed in known:
+            add([placed])
+        add(r.replica_id for r in replicas if session_id in r.sessions)
+        hashed = sorted(replicas, key=lambda r: _weight(session_id, r.replica_id), reverse=True)
+        add(r.replica_id for r in hashed if r.free_slots is None or r.free_slots > 0)
+    add(r.replica_id for r in sorted(replicas, key=lambda r: (r.load, r.replica_id)))
+    return order
+
+
+def _router_base() -> type:
+    from ray.serve.request_router import RequestRouter
+
+    return RequestRouter
+
+
+class SessionAffinityRouter(_router_base()):  # type: ignore[misc]
+    """Ray Serve request router: session affinity (module docstring), one replica per rank so the
+    order is kept. No FIFOMixin: the replica found goes to the request it was found for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # session id -> (ReplicaID this router sent it to last, when)
+        self._placed: dict[str, tuple[Any, float]] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is None:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True  # all full: back off, do not spin
+        session_id = pending_request.metadata.session_id or None
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        recent = time.monotonic() - 3 * STATS_PERIOD_S
+        views = []
+        for r in candidate_replicas:
+            stats = r.routing_stats or {}
+            reported = frozenset(stats.get("sessions", ()))
+            queued = self.replica_queue_len_cache.get(r.replica_id)
+            free = stats.get("free_slots")
+            if isinstance(free, int):
+                # Sessions this router placed there since its last report hold slots it has not counted.
+                free -= sum(
+                    1
+                    for s, (rid, at) in self._placed.items()
+                    if rid == r.replica_id and at > recent and s not in reported
+                )
+            views.append(
+                ReplicaView(
+                    r.replica_id.unique_id,
+                    reported,
+                    free if isinstance(free, int) else None,
+                    queued if queued is not None else int(stats.get("ongoing", 0)),
+                )
+            )
+        placed = self._placed.get(session_id) if session_id else None
+        order = rank_replicas(session_id, views, placed[0].unique_id if placed is not None else None)
+        return [[by_id[rid]] for rid in order]
+
+    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        session_id = pending_request.metadata.session_id
+        if session_id:
+            self._placed[session_id] = (replica_id, time.monotonic())
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._placed = {s: p for s, p in self._placed.items() if p[0] != replica_id}
+
+    def update_replicas(self, replicas: list[Any]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        self._placed = {s: p for s, p in self._placed.items() if p[0] in live}
+
+
+class MuxworkerReplica:
+    """One Serve replica: a ``python -m muxworker.serve`` child and its worker (module docstring).
+    ``server_args`` are the server's and the worker's flags (no --host or --port)."""
+
+    def __init__(self, server_args: Sequence[str], log_dir: str | None = None) -> None:
+        import httpx
+        from ray import serve
+
+        from .process import ServerProcess
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._token = secrets.token_hex(16)
+        read_end, self._lifeline = os.pipe()  # the child's EOF on read_end: this process is gone
+        os.set_inheritable(read_end, True)
+        log_path = None if log_dir is None else os.path.join(log_dir, f"replica-{self.replica_id}.log")
+        self._server = ServerProcess(
+            [
+                *server_args,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--internal-token",
+                self._token,
+                "--lifeline-fd",
+                str(read_end),
+            ],
+            log_path=log_path,
+            pass_fds=(read_end,),
+        )
+        try:
+            self._server.start()
+        finally:
+            os.close(read_end)
+        self._http = httpx.AsyncClient(base_url=self._server.url, timeout=httpx.Timeout(None, connect=10.0))
+        self._stats: dict[str, Any] = {}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats hook (every STATS_PERIOD_S): the sessions live in this replica's
+        worker and its free slots, from the child server."""
+        response = await self._http.get(
+            "/v1/internal/routing", headers={"authorization": f"Bearer {self._token}"}, timeout=2.0
+        )
+        response.raise_for_status()
+        self._stats = response.json()
+        return self._stats
+
+    async def __call__(self, request: Any) -> Any:
+        """Forward one HTTP request to the child server and stream its response back."""
+        from starlette.background import BackgroundTask
+        from starlette.responses import StreamingResponse
+
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        body = await request.body()
+        upstream = self._http.build_request(
+            request.method, request.url.path, params=request.url.query, headers=headers, content=body
+        )
+        response = await self._http.send(upstream, stream=True)
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+        out_headers[REPLICA_HEADER] = self.replica_id
+        if self._stats.get("worker_pid"):
+            out_headers[WORKER_PID_HEADER] = str(self._stats["worker_pid"])
+        return StreamingResponse(
+            response.aiter_raw(),
+            status_code=response.status_code,
+            headers=out_headers,
+            background=BackgroundTask(response.aclose),
+        )
+
+    def __del__(self) -> None:
+        try:
+            os.close(self._lifeline)  # the child stops; a killed actor closes it anyway
+        except (AttributeError, OSError):
+            pass
+
+
+def deployment(
+    server_args: Sequence[str],
+    *,
+    replicas: int,
+    max_ongoing_requests: int = 64,
+    num_cpus: float = 0.25,
+    log_dir: str | None = None,
+) -> Any:
+    """The Serve application: ``replicas`` of :class:`MuxworkerReplica` behind :class:`SessionAffinityRouter`."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    router: dict[str, Any] = {
+        "request_router_class": SessionAffinityRouter,
+        "request_routing_stats_period_s": STATS_PERIOD_S,
+        "request_routing_stats_timeout_s": 2.0,
+    }
+    decorate = serve.deployment(
+        name="muxworker",
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        health_check_period_s=1.0,
+        ray_actor_options={"num_cpus": num_cpus},
+        request_router_config=RequestRouterConfig(**router),
+    )
+    return decorate(MuxworkerReplica).bind(list(server_args), log_dir)
+
+
+def replica_actors(app_name: str = "muxworker") -> dict[str, str]:
+    """{replica unique id: actor name} of the running replicas (namespace ``serve``)."""
+    import ray
+
+    out = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"] if isinstance(actor, dict) else actor
+        if name.startswith(f"SERVE_REPLICA::{app_name}#"):
+            out[name.rsplit("#", 1)[1]] = name
+    return out
+
+
+def run(
+    server_args: Sequence[str],
+    *,
+    replicas: int,
+    host: str,
+    port: int,
+    num_cpus: int | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> int:
+    """Start a local Ray cluster, deploy, print the ready line, serve until SIGINT or SIGTERM."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    stop = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(deployment(server_args, replicas=replicas), name="muxworker", route_prefix="/")
+        if ready is not None:
+            ready(f"http://{host}:{port}")
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not stop:
+            time.sleep(0.2)
+        return 0
+    finally:
+        try:
+            serve.shutdown()  # the replicas stop; their servers see EOF on their lifelines and save
+        finally:
+            ray.shutdown()
+            print("muxworker serve: stopped", file=sys.stderr, flush=True)
