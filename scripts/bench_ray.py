@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from muxworker.serve.process import tree_rss
 from muxworker.serve.ray import REPLICA_HEADER, deployment
 
 
@@ -30,26 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _tree_rss(root: int) -> int:
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack.extend(children.get(pid, []))
-    return total
 
 
 def _client(url: str, k: int, turns: int, tokens: int) -> tuple[int, str]:
@@ -92,7 +73,7 @@ def _measure(replicas: int, args: argparse.Namespace, store: str) -> dict:
         with ThreadPoolExecutor(args.clients) as pool:
             results = list(pool.map(lambda k: _client(url, k, args.turns, args.tokens), range(args.clients)))
         elapsed = time.perf_counter() - t0
-        rss = _tree_rss(os.getpid())
+        rss = tree_rss(os.getpid())
     finally:
         try:
             serve.shutdown()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["READY_PREFIX", "ServerProcess", "ServerStartError"]
+__all__ = ["READY_PREFIX", "ServerProcess", "ServerStartError", "tree_rss"]
 
 #: The line the server prints on stdout once it accepts connections: ``<prefix> <model> on <url> ...``.
 READY_PREFIX = "muxworker serve:"
@@ -117,3 +117,28 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def tree_rss(root: int) -> int:
+    """Bytes of RSS of process ``root`` and all its descendants, from /proc (Linux): what a server
+    and its workers (or a local Ray cluster, from its driver) hold. Pages shared between processes
+    count once per process."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        rss[int(entry)] = int(fields[21]) * page
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total

@@ -20,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
+from muxworker.serve.process import tree_rss  # noqa: E402
 from muxworker.serve.ray import REPLICA_HEADER, WORKER_PID_HEADER, ReplicaView, rank_replicas  # noqa: E402
 
 SLOTS = 4
@@ -29,29 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _tree_rss(root: int) -> int:
-    """Bytes of RSS of ``root`` and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid, ppid = int(entry), int(fields[1])
-        children.setdefault(ppid, []).append(pid)
-        rss[pid] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack.extend(children.get(pid, []))
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +101,7 @@ def test_sessions_split_over_the_replicas_and_stay_there(cluster):
         assert response.headers[REPLICA_HEADER] == placed[sid]
     stats = httpx.get(cluster + "/v1/sessions", timeout=30)
     assert stats.status_code == 200
-    assert _tree_rss(os.getpid()) < 4 * 2**30
+    assert tree_rss(os.getpid()) < 4 * 2**30
 
 
 def test_killing_the_replica_of_a_session_resumes_it_on_the_other_exactly(cluster):
