@@ -138,7 +138,13 @@ class CheckpointQueue:
 def _takes_files(connection: Connection, info: WorkerInfo | None) -> bool:
     """Whether checkpoints go through the worker's file channel: it has one, and runs no draft
     model (whose state only the in-memory checkpoint carries)."""
-    return connection.files is not None and info is not None and info.files and not info.limits.get("n_draft")
+    return connection.files is not None and info is not None and info.files and not runs_draft_model(info)
+
+
+def runs_draft_model(info: WorkerInfo) -> bool:
+    """Whether the worker runs a draft model (``n_draft`` > 0 without ``--speculative ngram``,
+    whose proposals come from the history and hold no state of their own)."""
+    return bool(info.limits.get("n_draft")) and info.limits.get("speculative") != "ngram"
 
 
 def require_store(store: StoreBinding | None, info: WorkerInfo | None) -> StoreBinding:

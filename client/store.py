@@ -280,15 +280,17 @@ class StoreBinding:
                 if key == "device" and isinstance(actual, str) and actual.startswith(f"{declared}:"):
                     continue
             elif key == "draft" and "n_draft" in info.limits:
-                # The hello reports the draft through its n_draft (0: none); the draft's name is
-                # bound by its files in the identity.
-                has_draft = bool(info.limits["n_draft"])
+                # The hello reports the draft through its n_draft (0: none; with --speculative
+                # ngram, no draft model); the draft's name is bound by its files in the identity.
+                has_draft = bool(info.limits["n_draft"]) and info.limits.get("speculative") != "ngram"
                 if has_draft != (declared is not None):
                     differences.append(
                         f"draft: store {_show(declared)}, worker "
                         + (f"a draft model (n_draft {info.limits['n_draft']})" if has_draft else "none")
                     )
                 continue
+            elif key == "n_draft" and info.limits.get("speculative") == "ngram" and not declared:
+                continue  # n-gram drafting holds no state: its sessions are a plain worker's
             elif key in info.limits:
                 actual = info.limits[key]
             else:

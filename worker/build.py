@@ -162,8 +162,8 @@ def load_engine(
     proposes ``config.n_draft`` tokens per step (same tokenizer, device and dtype)."""
     if draft is not None and config.n_draft < 1:
         raise InvalidArgument("a draft model needs n_draft >= 1 (tokens proposed per step)")
-    if draft is None and config.n_draft:
-        raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
+    if draft is None and config.n_draft and config.speculative != "ngram":
+        raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given (or --speculative ngram)")
     planned: list[int] = []  # bytes the models' weights and KV caches will take, as each is checked
 
     def check(args: ModelArgs, device: str, dtype: str, what: str) -> None:

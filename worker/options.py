@@ -142,6 +142,15 @@ _PROCESS_FLAGS: _Flags = [
         dict(metavar="PATH", help="draft model for speculative decoding (same tokenizer as --model); needs --n_draft"),
     ),
     (
+        ("--speculative",),
+        dict(
+            choices=["ngram"],
+            default=None,
+            help="ngram: speculative decoding without a draft model, proposing --n_draft tokens per step "
+            "from the session's own history (prompt lookup; pays off when outputs copy their input)",
+        ),
+    ),
+    (
         ("--heartbeat_ms", "--heartbeat-ms"),
         dict(
             type=_nonnegative_int,
@@ -226,8 +235,12 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
         _check_torch_device(ns.device)  # mlx checks its own device names when it loads
     if ns.draft is not None and ns.n_draft == 0:
         raise UsageError("--draft needs --n_draft N >= 1 (tokens drafted per step)")
-    if ns.draft is None and ns.n_draft != 0:
-        raise UsageError("--n_draft needs --draft PATH (a draft model)")
+    if ns.speculative == "ngram" and ns.draft is not None:
+        raise UsageError("--speculative ngram takes no --draft (it drafts from the session's own history)")
+    if ns.speculative == "ngram" and ns.n_draft == 0:
+        raise UsageError("--speculative ngram needs --n_draft N >= 1 (tokens proposed per step)")
+    if ns.draft is None and ns.speculative is None and ns.n_draft != 0:
+        raise UsageError("--n_draft needs --draft PATH (a draft model) or --speculative ngram")
     dtype = resolve_dtype(ns.dtype, ns.device, ns.backend)
     if ns.backend == "torch" and ns.device == "cpu" and dtype == "float16":
         raise UsageError("--dtype float16 is not supported on --device cpu; use float32 or bfloat16")
@@ -238,7 +251,7 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
     if ns.weights == "quantized" and ns.backend != "torch":
         raise UsageError("--weights quantized needs --backend torch (the mlx backend loads float weights)")
     try:
-        config = EngineConfig(**{name: getattr(ns, name) for name in _ENGINE_FLAGS})
+        config = EngineConfig(**{name: getattr(ns, name) for name in _ENGINE_FLAGS}, speculative=ns.speculative)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     return WorkerOptions(

@@ -18,7 +18,8 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     prefix_cache_entries: int = 0
     seed: int | None = None
-    n_draft: int = 0  # tokens a draft model proposes per session per step (needs a draft model)
+    n_draft: int = 0  # tokens proposed per session per step (by a draft model, or by --speculative ngram)
+    speculative: str | None = None  # "ngram": prompt lookup (ngram.py); None: a draft model, if given
 
     def __post_init__(self) -> None:
         for name in (
@@ -35,3 +36,5 @@ class EngineConfig:
             raise ConfigError(f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries!r}")
         if not isinstance(self.n_draft, int) or isinstance(self.n_draft, bool) or self.n_draft < 0:
             raise ConfigError(f"n_draft must be an integer >= 0, got {self.n_draft!r}")
+        if self.speculative not in (None, "ngram"):
+            raise ConfigError(f"speculative must be None or 'ngram', got {self.speculative!r}")

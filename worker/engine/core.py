@@ -76,6 +76,7 @@ from muxworker.transport.schema import MAX_CACHE_SALT_BYTES, MAX_SESSION_ID_BYTE
 from muxworker.worker.backends.interface import Executor, geometry
 from muxworker.worker.engine import checkpoint_files, output
 from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.ngram import NgramProposer
 from muxworker.worker.engine.prefix_cache import PrefixCache
 from muxworker.worker.engine.sampling import Penalties, SamplingError, SamplingParams, sample, verify_drafts
 from muxworker.worker.engine.scheduler import Batch, Scheduler
@@ -137,9 +138,17 @@ class Engine:
             self.cache, range(config.max_sessions, config.max_sessions + config.prefix_cache_entries)
         )
         self.vocab_size = int(self.args.vocab_size)
-        if draft is None and config.n_draft:
+        self.proposer: DraftProposer | NgramProposer | None = None
+        if config.speculative == "ngram":
+            if draft is not None:
+                raise InvalidArgument("--speculative ngram drafts from the session's history: it takes no draft model")
+            self.proposer = NgramProposer(executor, config)
+        elif draft is not None:
+            self.proposer = DraftProposer(draft, executor, config, draft_name)
+        elif config.n_draft:
             raise InvalidArgument(f"n_draft is {config.n_draft} but no draft model was given")
-        self.proposer = DraftProposer(draft, executor, config, draft_name) if draft is not None else None
+        # A draft model has state of its own (its KV, checkpointed with the session); a lookup has none.
+        self._draft_model: DraftProposer | None = self.proposer if isinstance(self.proposer, DraftProposer) else None
         self.n_draft = config.n_draft
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self._sessions: dict[str, Session] = {}
@@ -159,21 +168,17 @@ class Engine:
     @property
     def draft(self) -> Executor | None:
         """The draft model's executor (speculative decoding), if any."""
-        return self.proposer.executor if self.proposer is not None else None
+        return self._draft_model.executor if self._draft_model is not None else None
 
     @property
     def draft_name(self) -> str:
-        return self.proposer.name if self.proposer is not None else ""
+        return self._draft_model.name if self._draft_model is not None else ""
 
     @property
     def stats(self) -> dict[str, float]:
         """Forward counts and times of the target (and the draft, with one)."""
-        draft = (
-            self.proposer.stats
-            if self.proposer is not None
-            else {"draft_forward_calls": 0, "draft_forward_time_s": 0.0}
-        )
-        return {**self._stats, **draft}
+        draft = {"draft_forward_calls": 0, "draft_forward_time_s": 0.0}
+        return {**self._stats, **draft, **(self.proposer.stats if self.proposer is not None else {})}
 
     @property
     def backend(self) -> str:
@@ -199,7 +204,7 @@ class Engine:
             "has_chat_template": bool(getattr(tok, "has_chat_template", False)),
             "bos_token_id": getattr(tok, "bos_token_id", None),
             "eos_token_ids": list(self.eos_token_ids),
-            "draft": None if self.proposer is None else {"name": self.draft_name, "n_draft": self.n_draft},
+            "draft": None if self._draft_model is None else {"name": self.draft_name, "n_draft": self.n_draft},
         }
 
     # ----------------------------------------------------------------- sessions
@@ -381,8 +386,8 @@ class Engine:
             cache_salt=cache_salt,
             penalties=Penalties(params, ids, self.vocab_size) if params.penalized else None,
         )
-        if self.proposer is not None:
-            self.proposer.keep_on_submit(s, ids, reused)
+        if self._draft_model is not None:
+            self._draft_model.keep_on_submit(s, ids, reused)
         # Commit the prompt: the session now continues from ``reused`` rows.
         s.tokens = list(ids)
         s.kv_len = reused
@@ -521,7 +526,7 @@ class Engine:
         """Advance lengths by what the forward wrote, then sample each request's tokens."""
         for r, n in batch.chunks:
             r.session.kv_len += n
-            if self.proposer is not None:
+            if self._draft_model is not None:
                 r.session.draft_len = r.session.kv_len  # propose() fed the draft the same chunk
             if r.fresh and r.session.kv_len == len(r.prompt):
                 self.prefix_cache.insert(r.session.slot, r.prompt, r.session.kv_floor, r.cache_salt)
@@ -550,7 +555,13 @@ class Engine:
             return
         n = len(s.tokens)  # the target just wrote rows [n - 1, n + k), the draft [.., n + k - 1)
         k = len(proposal.tokens)
-        probs = torch.stack(proposal.probs) if proposal.probs else None
+        probs: torch.Tensor | None
+        if proposal.point and not r.params.greedy:  # q of a looked-up token: all mass on it
+            probs = torch.nn.functional.one_hot(
+                torch.tensor(proposal.tokens, device=logits.device), logits.shape[-1]
+            ).to(torch.float32)
+        else:
+            probs = torch.stack(proposal.probs) if proposal.probs else None
         commit, accepted = verify_drafts(logits, proposal.tokens, probs, r.params, r.generator)
         r.draft_proposed += k
         committed_drafts = 0
@@ -565,7 +576,8 @@ class Engine:
         # token, the last committed token has no KV yet. The draft's rows hold tokens[:n] and drafts
         # 1..k-1; those it shares with the committed history stay.
         s.kv_len = len(s.tokens) - 1
-        s.draft_len = min(n + min(committed_drafts, k - 1), s.kv_len)
+        if self._draft_model is not None:
+            s.draft_len = min(n + min(committed_drafts, k - 1), s.kv_len)
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -576,7 +588,7 @@ class Engine:
         return geometry(self.executor)
 
     def draft_geometry(self) -> dict[str, Any] | None:
-        return None if self.proposer is None else self.proposer.geometry
+        return None if self._draft_model is None else self._draft_model.geometry
 
     @staticmethod
     def _check_saveable(s: Session) -> None:
@@ -610,7 +622,7 @@ class Engine:
             position=position,
             token_ids=np.asarray(s.tokens[:position], dtype=np.int32),
             layers=layers,
-            draft=None if self.proposer is None else self.proposer.export_state(s, position),
+            draft=None if self._draft_model is None else self._draft_model.export_state(s, position),
         )
 
     def restore_checkpoint(self, sid: str, checkpoint: CPUCheckpoint, position: int | None = None) -> None:
@@ -636,7 +648,7 @@ class Engine:
             raise CheckpointRejected(
                 f"checkpoint geometry {checkpoint.geometry} does not match the model's {self.geometry()}"
             )
-        if self.proposer is None:
+        if self._draft_model is None:
             if checkpoint.draft is not None:
                 raise CheckpointRejected(
                     "the checkpoint carries draft-model state but this worker runs no draft model; "
@@ -644,7 +656,7 @@ class Engine:
                 )
             draft_position = 0
         else:
-            draft_position = self.proposer.check_state(checkpoint)
+            draft_position = self._draft_model.check_state(checkpoint)
         checkpoint.validate_restore_position(position)
         if position >= self.config.max_session_tokens:
             raise ContextOverflow(
@@ -691,7 +703,7 @@ class Engine:
         still holds what the store's save ``base.tag`` does up to there, else all of them."""
         s = self._session(sid)
         self._check_saveable(s)
-        if self.proposer is not None:
+        if self._draft_model is not None:
             raise Unsaveable(f"session {sid!r} runs with a draft model, whose state is saved through export_checkpoint")
         return checkpoint_files.save_segment(
             self, s, fd, tag=tag, base=base, session_id=sid, identity=identity, max_bytes=max_bytes
@@ -715,7 +727,7 @@ class Engine:
         self._check_session_id(sid)
         if sid in self._sessions:
             raise SessionExists(f"session {sid!r} is already open; restore needs an unused session id")
-        if self.proposer is not None:
+        if self._draft_model is not None:
             raise CheckpointRejected("this worker runs a draft model: restore its sessions with restore_checkpoint")
         if refs and refs[-1].end >= self.config.max_session_tokens:
             raise ContextOverflow(

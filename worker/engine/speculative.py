@@ -34,9 +34,17 @@ class Proposal:
 
     tokens: list[int]
     probs: list[torch.Tensor]  # q [V] each token was drawn from; empty when greedy
+    point: bool = False  # each token's q is a point mass on it (a lookup, not a draw: ngram.py)
 
 
 Failures = list[tuple[Request, MuxError | Exception]]
+
+
+def draft_budget(req: Request, n_draft: int) -> int:
+    """Tokens to draft for ``req`` this step, whatever proposes them (DraftProposer.budget)."""
+    if req.params.penalized:
+        return 0
+    return max(0, min(n_draft, req.max_new - len(req.generated) - 1))
 
 
 def _rollback_rows(cache: Any) -> int:
@@ -99,9 +107,7 @@ class DraftProposer:
         (the target's token after the drafts must still fit), so drafted positions stay inside the
         session's max_session_tokens. A penalized request drafts nothing: its logits at each drafted
         position would depend on the drafts before it, which one verification pass does not model."""
-        if req.params.penalized:
-            return 0
-        return max(0, min(self.n_draft, req.max_new - len(req.generated) - 1))
+        return draft_budget(req, self.n_draft)
 
     def keep_on_submit(self, s: Session, prompt: list[int], reused: int) -> None:
         """A new prompt (before it is committed): the draft keeps what its own rows share with it,
