@@ -67,6 +67,7 @@ from .store import (
     StoreBinding,
     StoreBusy,
     StorePermissionError,
+    StoreUnavailable,
     open_store,
 )
 
@@ -115,6 +116,7 @@ __all__ = [
     "SaveConflict",
     "StoreBusy",
     "StorePermissionError",
+    "StoreUnavailable",
     "checkpoint_identity",
     "save_checkpoint",
     "load_checkpoint",

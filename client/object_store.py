@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import datetime
 import os
 import re
 import secrets
@@ -52,11 +53,9 @@ from muxworker.transport.checkpoint import (
 )
 from muxworker.transport.checkpoint.blocks import BLOCK_NAME, BLOCK_SUFFIX, DEFAULT_BLOCK_TOKENS, Piece
 from muxworker.transport.checkpoint.segments import (
-    SEGMENTED_VERSION,
     SegmentRef,
     SessionManifest,
     encode_session_manifest,
-    file_version,
     read_session_manifest,
     write_checkpoint_segment,
 )
@@ -64,14 +63,17 @@ from muxworker.transport.errors import InvalidArgument
 
 from .store import (
     DEFAULT_COMPACT_AFTER,
+    MANIFEST_NAME,
     SEGMENT_SUFFIX,
     SUFFIX,
+    CleanResult,
     ResumePlan,
     SaveConflict,
     SavePlan,
     SessionInfo,
     StoreBinding,
     StorePermissionError,
+    StoreUnavailable,
     manifest_info,
     session_hash,
 )
@@ -79,14 +81,17 @@ from .store import (
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
 
-__all__ = ["ObjectSessionStore", "OBJECT_SCHEMES"]
+__all__ = ["ObjectSessionStore", "OBJECT_SCHEMES", "DEFAULT_TIMEOUT"]
 
 #: URL schemes served by this backend (obstore's); a path or ``file://`` is the local SessionStore.
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "memory")
 #: Seconds a stored block may be named by a new save without being written again (clean()).
 DEFAULT_BLOCK_REFRESH = 1800.0
-_NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
-_SEGMENT_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.mxseg")
+#: Seconds within which a request to the object store fails, retries included, when the store
+#: does not answer or answers with server errors (:func:`connect`): then StoreUnavailable.
+DEFAULT_TIMEOUT = 30.0
+#: The HTTP status in an obstore error's message ("... status code: 503 Service Unavailable").
+_HTTP_STATUS = re.compile(r"status code: (\d{3})")
 
 
 def _errors():
@@ -113,6 +118,7 @@ class ObjectSessionStore(StoreBinding):
         compact_after: int = DEFAULT_COMPACT_AFTER,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         block_refresh: float = DEFAULT_BLOCK_REFRESH,
+        share_blocks_across_namespaces: bool = False,
     ) -> None:
         super().__init__(
             identity=identity,
@@ -120,6 +126,7 @@ class ObjectSessionStore(StoreBinding):
             inputs=inputs,
             compact_after=compact_after,
             block_tokens=block_tokens,
+            share_blocks_across_namespaces=share_blocks_across_namespaces,
         )
         if isinstance(block_refresh, bool) or not isinstance(block_refresh, (int, float)) or not block_refresh > 0:
             raise InvalidArgument(f"block_refresh must be a positive number of seconds, got {block_refresh!r}")
@@ -141,18 +148,22 @@ class ObjectSessionStore(StoreBinding):
         compact_after: int = DEFAULT_COMPACT_AFTER,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         block_refresh: float = DEFAULT_BLOCK_REFRESH,
+        share_blocks_across_namespaces: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
         **options: Any,
     ) -> ObjectSessionStore:
         """Hash the model files off the event loop, connect to ``url`` and check it answers.
 
         Credentials, region and endpoint come from the environment as every S3 tool reads them
         (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...;
-        GCS and Azure likewise); ``options`` are obstore's store options and override them."""
+        GCS and Azure likewise); ``options`` are obstore's store options and override them.
+        ``timeout``: seconds within which a request fails with :class:`StoreUnavailable` while the
+        store does not answer (:func:`connect`)."""
 
         def build() -> ObjectSessionStore:
             identity, inputs = checkpoint_identity_inputs(model_files, configuration)
             store = cls(
-                connect(url, **options),
+                connect(url, timeout=timeout, **options),
                 url=url,
                 identity=identity,
                 max_bytes=max_bytes,
@@ -160,6 +171,7 @@ class ObjectSessionStore(StoreBinding):
                 compact_after=compact_after,
                 block_tokens=block_tokens,
                 block_refresh=block_refresh,
+                share_blocks_across_namespaces=share_blocks_across_namespaces,
             )
             store._probe()
             return store
@@ -171,20 +183,36 @@ class ObjectSessionStore(StoreBinding):
 
     # -- objects ----------------------------------------------------------------------------------
 
-    def _failure(self, exc: BaseException, what: str, kind: type[CheckpointError] = CheckpointReadError):
-        """A CheckpointError for an obstore failure, naming what was being done and why."""
+    def _failure(
+        self, exc: BaseException, what: str, kind: type[CheckpointError] = StoreUnavailable
+    ) -> CheckpointError:
+        """A CheckpointError for an obstore failure, naming what was being done and why.
+
+        ``kind`` is what the operation raises for a failure the store did not explain. A read
+        (``kind`` StoreUnavailable) that fails for any reason but a missing object raises
+        StoreUnavailable: what it reads is not known to be damaged, and a refused credential may
+        be a policy or token being rotated. A write, or the start-up probe, raises
+        StorePermissionError for refused credentials and StoreUnavailable for a network failure,
+        a timeout or a server error."""
         e = _errors()
         if isinstance(exc, (e.NotFoundError, FileNotFoundError)):  # obstore raises the builtin too
             return CheckpointNotFound(f"{what}: not found in {self.url}")
         if "NoSuchBucket" in str(exc):
             return CheckpointNotFound(f"{what}: the bucket of {self.url} does not exist (NoSuchBucket)")
+        reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
         if isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)):
-            return StorePermissionError(
+            kind = StoreUnavailable if kind is StoreUnavailable else StorePermissionError
+            message = (
                 f"{what}: the object store refused the credentials ({type(exc).__name__}); check "
                 f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the provider's variables) and the bucket policy "
-                f"for {self.url}: {str(exc).splitlines()[0][:300]}"
+                f"for {self.url}: {reason}"
             )
-        return kind(f"{what} in {self.url} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+        else:
+            kind = StoreUnavailable if _unavailable(exc) else kind
+            message = f"{what} in {self.url} failed: {reason}"
+        if kind is StoreUnavailable:
+            message += "; the saved sessions are not known to be damaged"
+        return kind(message)
 
     def _probe(self) -> None:
         """Fail at start-up, not at the first save, when the bucket or the credentials are wrong."""
@@ -193,7 +221,7 @@ class ObjectSessionStore(StoreBinding):
         try:
             obstore.list_with_delimiter(self.store)
         except Exception as exc:
-            raise self._failure(exc, "listing the session store") from None
+            raise self._failure(exc, "listing the session store", CheckpointReadError) from None
 
     def _get_into_memfd(self, name: str, what: str, limit: int) -> tuple[int, Any]:
         """Download object ``name`` into a new memfd; returns (fd, the object's e-tag)."""
@@ -256,9 +284,7 @@ class ObjectSessionStore(StoreBinding):
         except CheckpointNotFound:
             raise CheckpointNotFound(f"no saved checkpoint for session {session_id!r}") from None
         try:
-            if file_version(fd, name) != SEGMENTED_VERSION:
-                raise CheckpointCorrupt(f"{name} in {self.url} is not a session manifest (file version 3)")
-            m = read_session_manifest(fd, name)
+            m = read_session_manifest(fd, name)  # damage is CheckpointCorrupt, a newer version Incompatible
         finally:
             os.close(fd)
         self.check_manifest(m, session_id, name)
@@ -323,6 +349,8 @@ class ObjectSessionStore(StoreBinding):
             base, etag = self._manifest(session_id)
         except CheckpointNotFound:
             base, etag = None, None
+        except StoreUnavailable:
+            raise
         except CheckpointError:
             # Damaged or foreign: this save writes everything, and replaces it only if it is
             # still the object found here.
@@ -450,10 +478,14 @@ class ObjectSessionStore(StoreBinding):
         return name
 
     def _published(self, plan: SavePlan) -> bool:
+        """Whether the session's manifest may name the plan's segment (a manifest write that timed
+        out may have landed): a manifest the store failed to return keeps the segment."""
         try:
             m, _ = self._manifest(plan.session_id)
+        except StoreUnavailable:
+            return True  # cannot tell: clean() decides, knowing which manifests it could not read
         except CheckpointError:
-            return False
+            return False  # none, or one this save did not write (it writes a readable one)
         return any(r.name == plan.segment for r in m.segments)
 
     def abort_save(self, plan: SavePlan) -> None:
@@ -497,18 +529,22 @@ class ObjectSessionStore(StoreBinding):
         manifest_bytes = len(encode_session_manifest(m))
         return manifest_info(m, manifest_bytes)
 
+    def _read_listed(self, name: str) -> SessionManifest:
+        """The manifest object ``name`` found by a listing (not checked against a session id)."""
+        fd, _ = self._get_into_memfd(name, name, 1 << 26)
+        try:
+            return read_session_manifest(fd, name)
+        finally:
+            os.close(fd)
+
     def list_info(self) -> builtins.list[SessionInfo]:
         """:class:`SessionInfo` of every readable saved session, sorted by id."""
         out = []
         for name, size in self._names():
-            if not _NAME.fullmatch(name):
+            if not MANIFEST_NAME.fullmatch(name):
                 continue
             try:
-                fd, _ = self._get_into_memfd(name, name, 1 << 26)
-                try:
-                    m = read_session_manifest(fd, name)
-                finally:
-                    os.close(fd)
+                m = self._read_listed(name)
             except CheckpointError:
                 continue
             out.append(manifest_info(m, size))
@@ -536,7 +572,7 @@ class ObjectSessionStore(StoreBinding):
                 self._delete(ref.name)
         return True
 
-    def clean(self, *, older_than: float = 3600.0) -> tuple[builtins.list[str], int]:
+    def clean(self, *, older_than: float = 3600.0) -> CleanResult:
         """Remove segments no manifest names that are older than ``older_than`` seconds (what
         killed or conflicting writers left; younger ones may belong to a save in progress, and
         below ``2 * block_refresh`` it is safe only while no writer runs), and blocks no manifest
@@ -556,36 +592,26 @@ class ObjectSessionStore(StoreBinding):
             raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
         block_age = max(older_than, 2 * self.block_refresh)
         began = time.time()
-        names = self._names()
-        referenced: set[str] = set()
-        for name, _ in names:
-            if _NAME.fullmatch(name):
-                try:
-                    fd, _ = self._get_into_memfd(name, name, 1 << 26)
-                    try:
-                        referenced.update(r.name for r in read_session_manifest(fd, name).segments)
-                    finally:
-                        os.close(fd)
-                except CheckpointError:
-                    continue
+        sizes = dict(self._names())
+        survey = self.survey(sorted(n for n in sizes if MANIFEST_NAME.fullmatch(n)), self._read_listed)
+        stray, kept = survey.partition(sorted(sizes))
         import obstore
 
         removed, nbytes = [], 0
-        for name, size in names:
-            block = BLOCK_NAME.fullmatch(name)
-            if (block or _SEGMENT_NAME.fullmatch(name)) and name not in referenced:
-                if time.time() - began > (block_age if block else older_than) / 4:
-                    continue  # past the collector's window: these wait for the next run
-                try:
-                    meta = obstore.head(self.store, name)
-                except Exception:
-                    continue
-                # + 1 s: S3 reports Last-Modified in whole seconds, rounded down.
-                if meta["last_modified"].timestamp() + 1.0 < began - (block_age if block else older_than):
-                    self._delete(name)
-                    removed.append(name)
-                    nbytes += size
-        return sorted(removed), nbytes
+        for name in stray:
+            age = block_age if BLOCK_NAME.fullmatch(name) else older_than
+            if time.time() - began > age / 4:
+                continue  # past the collector's window: this waits for the next run
+            try:
+                meta = obstore.head(self.store, name)
+            except Exception:
+                continue
+            # + 1 s: S3 reports Last-Modified in whole seconds, rounded down.
+            if meta["last_modified"].timestamp() + 1.0 < began - age:
+                self._delete(name)
+                removed.append(name)
+                nbytes += sizes[name]
+        return CleanResult(sorted(removed), nbytes, kept=kept, unreadable=survey.unreadable)
 
 
 #: Objects uploaded or downloaded at once by one save or resume (obstore releases the GIL).
@@ -622,15 +648,46 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
-def connect(url: str, **options: Any) -> ObjectStore:
+def _unavailable(exc: BaseException) -> bool:
+    """Whether an obstore failure is the store not answering: a network failure or a timeout (no
+    HTTP status), or a server error (5xx, 429), after obstore's retries."""
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if not isinstance(exc, _errors().GenericError):
+        return False
+    status = _HTTP_STATUS.search(str(exc))
+    return status is None or int(status.group(1)) >= 500 or int(status.group(1)) == 429
+
+
+def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT, **options: Any) -> ObjectStore:
     """An obstore store for ``url``. For S3: conditional writes by e-tag, and plain HTTP allowed
     when the endpoint (``AWS_ENDPOINT_URL`` or ``endpoint=``) is an ``http://`` URL (a local S3
-    such as moto or MinIO)."""
+    such as moto or MinIO).
+
+    A request fails within ``timeout`` seconds, retries included, when the store does not answer
+    or answers with server errors: obstore retries a failed try only during the first quarter of
+    it, waits at most an eighth between tries, and one try may take half of it (connecting at
+    most 5 s of that). A try includes its transfer: raise ``timeout`` for segments of several GB
+    on a slow link. ``client_options`` and ``retry_config`` in ``options`` override these."""
     from obstore.store import from_url
 
     scheme = urlparse(url).scheme
     if scheme not in OBJECT_SCHEMES:
         raise InvalidArgument(f"not an object-storage URL: {url!r} (expected one of {', '.join(OBJECT_SCHEMES)}://)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+        raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if scheme != "memory":  # in-process: nothing to wait for
+
+        def share(fraction: float, at_most: float = timeout) -> datetime.timedelta:
+            return datetime.timedelta(seconds=min(timeout * fraction, at_most))
+
+        client = dict(options.pop("client_options", None) or {})
+        client.setdefault("timeout", share(1 / 2))
+        client.setdefault("connect_timeout", share(1 / 4, 5.0))
+        retry = dict(options.pop("retry_config", None) or {})
+        retry.setdefault("retry_timeout", share(1 / 4))
+        retry.setdefault("backoff", {"init_backoff": share(1 / 40, 0.1), "max_backoff": share(1 / 8)})
+        options["client_options"], options["retry_config"] = client, retry
     if scheme in ("s3", "s3a"):
         options.setdefault("conditional_put", "etag")
         endpoint = (

@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,6 @@ from muxworker.transport.checkpoint import (
     CheckpointNotFound,
     CheckpointReadError,
     CheckpointTooLarge,
-    CheckpointUnsafePath,
     CheckpointWriteError,
     CPUCheckpoint,
     IdentityInputs,
@@ -93,14 +92,18 @@ __all__ = [
     "ConfigurationMismatch",
     "StoreBusy",
     "SaveConflict",
+    "StoreUnavailable",
     "SessionInfo",
+    "CleanResult",
     "DEFAULT_COMPACT_AFTER",
 ]
 
 SUFFIX = ".mxckpt"
 SEGMENT_SUFFIX = ".mxseg"
-_NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
-_SEGMENT_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.mxseg")
+#: A session's manifest is ``<hash>.mxckpt`` and its own segments ``<hash>.<random>.mxseg``, on
+#: every backend (``hash``: :func:`session_hash` of its id), so a segment's name says whose it is.
+MANIFEST_NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
+SEGMENT_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.mxseg")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{16}\.tmp")
 # Writers hold a shared lock on WRITERS_LOCK while they save or delete; clean() needs it exclusive.
 # COMMIT_LOCK is held exclusive for the few milliseconds a manifest is checked and replaced.
@@ -133,6 +136,12 @@ class SaveConflict(CheckpointError):
     """Another writer saved or deleted the session while this incremental save ran; save again."""
 
 
+class StoreUnavailable(CheckpointError):
+    """The store could not be reached or answered with a server/network error; the session's data is not known to be damaged."""
+
+    code = "store_unavailable"  # never on the wire: only the client's stores raise it
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     """What the store knows of one saved session, from its manifest (no payload is read)."""
@@ -147,6 +156,67 @@ class SessionInfo:
     created: float  # seconds since the epoch (a version 1/2 file: its modification time)
     saved: float
     file_version: int
+
+
+class CleanResult(tuple[list[str], int]):
+    """What :meth:`StoreBinding.clean` did. It unpacks as ``(removed, nbytes)``: the names it
+    removed and their bytes. ``kept`` are the segments and blocks it left only because a manifest
+    it could not read may name them, and ``unreadable`` those manifests, as (name, why)."""
+
+    kept: list[str]
+    unreadable: list[tuple[str, str]]
+
+    def __new__(
+        cls,
+        removed: list[str],
+        nbytes: int,
+        *,
+        kept: Iterable[str] = (),
+        unreadable: Iterable[tuple[str, str]] = (),
+    ) -> CleanResult:
+        result = super().__new__(cls, (removed, nbytes))
+        result.kept = sorted(kept)
+        result.unreadable = sorted(unreadable)
+        return result
+
+    @property
+    def removed(self) -> list[str]:
+        return self[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self[1]
+
+
+@dataclass
+class ManifestSurvey:
+    """What a collector learned from reading every manifest: the segments and blocks they name,
+    and the manifests it could not read, as (name, why).
+
+    A manifest that cannot be read, for any reason (an I/O or permission error, a network error,
+    a newer version, damage), may name anything: the segments of its own session (named after it,
+    ``<hash>.<random>.mxseg``) stay, and while any manifest is unreadable no block is collected,
+    since which blocks it names is unknown."""
+
+    named: set[str] = field(default_factory=set)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+
+    def partition(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
+        """The segments and blocks among ``names`` that no manifest names: (those no manifest
+        can name, those only an unreadable manifest may name)."""
+        guarded = {name[:64] for name, _ in self.unreadable}  # the session hashes they are named by
+        stray: list[str] = []
+        kept: list[str] = []
+        for name in names:
+            segment = SEGMENT_NAME.fullmatch(name)
+            if not (segment or BLOCK_NAME.fullmatch(name)) or name in self.named:
+                continue
+            if segment:
+                protected = segment.group(1) in guarded
+            else:  # a block: any manifest may name it
+                protected = bool(self.unreadable)
+            (kept if protected else stray).append(name)
+        return stray, kept
 
 
 @dataclass
@@ -227,7 +297,16 @@ class StoreBinding:
         inputs: IdentityInputs | None = None,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         block_tokens: int,
+        share_blocks_across_namespaces: bool = False,
     ) -> None:
+        if not isinstance(share_blocks_across_namespaces, bool):
+            raise InvalidArgument(
+                f"share_blocks_across_namespaces must be True or False, got {share_blocks_across_namespaces!r}"
+            )
+        #: Whether sessions of different namespaces (the part of an id before its first "/", e.g.
+        #: the HTTP server's tenant) share blocks. Off: a namespace cannot learn, from a save's
+        #: time or the store's objects, whether another already stored a prefix.
+        self.share_blocks_across_namespaces = share_blocks_across_namespaces
         if isinstance(compact_after, bool) or not isinstance(compact_after, int) or not 1 <= compact_after <= 128:
             raise InvalidArgument(f"compact_after must be an integer in [1, 128], got {compact_after!r}")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 <= block_tokens <= 1 << 20:
@@ -335,6 +414,13 @@ class StoreBinding:
 
     # -- content-addressed blocks (transport/checkpoint/blocks.py), for every backend ------------
 
+    def block_namespace(self, session_id: str) -> str:
+        """The namespace whose blocks ``session_id``'s saves name: the part of the id before its
+        first "/" ("" without one), or "" for all when the store shares blocks across namespaces."""
+        if self.share_blocks_across_namespaces or "/" not in session_id:
+            return ""
+        return session_id.split("/", 1)[0]
+
     def _base_plan(self, base: SessionManifest | None) -> tuple[SessionManifest | None, bool]:
         """(the manifest a save builds on, whether it compacts the tail run): a session with
         ``compact_after`` tail segments gets its tail rewritten as one (whole when it has no blocks)."""
@@ -390,7 +476,14 @@ class StoreBinding:
                 parent = match.group(1)
         memory = SegmentMemory(plan.fd)
         try:
-            pieces = split_segment(memory, header, session_id=plan.session_id, block_tokens=size, parent_key=parent)
+            pieces = split_segment(
+                memory,
+                header,
+                session_id=plan.session_id,
+                block_tokens=size,
+                parent_key=parent,
+                namespace=self.block_namespace(plan.session_id),
+            )
         except BaseException:
             memory.close()
             raise
@@ -431,10 +524,30 @@ class StoreBinding:
     def delete(self, session_id: str) -> bool:
         raise NotImplementedError
 
-    def clean(self, *, older_than: float) -> tuple[builtins.list[str], int]:
+    def clean(self, *, older_than: float) -> CleanResult:
         """Remove what no saved session names (segments killed writers left, blocks no session
-        names any more), last modified over ``older_than`` seconds ago: (names, bytes)."""
+        names any more), last modified over ``older_than`` seconds ago. Deletes only what it can
+        prove unnamed: see :meth:`survey`."""
         raise NotImplementedError
+
+    @staticmethod
+    def survey(manifests: Iterable[str], read: Callable[[str], SessionManifest | None]) -> ManifestSurvey:
+        """Read each manifest of ``manifests`` with ``read`` (None: a version 1 or 2 file, which
+        names no segment) for a collector. One gone meanwhile names nothing; one that cannot be
+        read for any other reason is unreadable, and protects what it may name
+        (:class:`ManifestSurvey`)."""
+        survey = ManifestSurvey()
+        for name in manifests:
+            try:
+                m = read(name)
+            except CheckpointNotFound:
+                continue
+            except Exception as exc:  # any reason at all: what it names is unknown
+                survey.unreadable.append((name, str(exc) or type(exc).__name__))
+                continue
+            if m is not None:
+                survey.named.update(r.name for r in m.segments)
+        return survey
 
     def assemble(self, m: SessionManifest, fds: builtins.list[int], where: str) -> CPUCheckpoint:
         """The host checkpoint of the manifest ``m`` from its open segments ``fds`` (every header
@@ -514,6 +627,7 @@ class SessionStore(StoreBinding):
         inputs: IdentityInputs | None = None,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         block_tokens: int = LOCAL_BLOCK_TOKENS,
+        share_blocks_across_namespaces: bool = False,
     ) -> None:
         super().__init__(
             identity=identity,
@@ -521,6 +635,7 @@ class SessionStore(StoreBinding):
             inputs=inputs,
             compact_after=compact_after,
             block_tokens=block_tokens,
+            share_blocks_across_namespaces=share_blocks_across_namespaces,
         )
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.location = str(self.path)
@@ -540,6 +655,7 @@ class SessionStore(StoreBinding):
         store.inputs = None
         store.compact_after = DEFAULT_COMPACT_AFTER
         store.block_tokens = LOCAL_BLOCK_TOKENS
+        store.share_blocks_across_namespaces = False
         store.inspecting = True
         try:
             os.close(store._open_dir())
@@ -559,6 +675,7 @@ class SessionStore(StoreBinding):
         max_bytes: int = DEFAULT_MAX_BYTES,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         block_tokens: int = LOCAL_BLOCK_TOKENS,
+        share_blocks_across_namespaces: bool = False,
     ) -> SessionStore:
         """Hash ``model_files`` and ``configuration`` off the event loop and open the directory.
 
@@ -566,6 +683,8 @@ class SessionStore(StoreBinding):
         this user and not writable by group or others (an owned 0755 directory is fine).
         ``block_tokens``: the size of the content-addressed blocks sessions share (0: none; each
         session's rows in its own segments, written by the worker straight into the file).
+        Blocks are shared only within a namespace (the part of a session id before its first
+        "/"), unless ``share_blocks_across_namespaces`` (for namespaces that trust each other).
         """
 
         def build() -> SessionStore:
@@ -577,6 +696,7 @@ class SessionStore(StoreBinding):
                 inputs=inputs,
                 compact_after=compact_after,
                 block_tokens=block_tokens,
+                share_blocks_across_namespaces=share_blocks_across_namespaces,
             )
 
         return await trio.to_thread.run_sync(build)
@@ -672,30 +792,33 @@ class SessionStore(StoreBinding):
     def _read_saved(self, dir_fd: int, session_id: str | None, name: str) -> tuple[int, SessionManifest | None, Any]:
         """(file version, manifest of a version 3 session or None, (session id, checkpoint manifest
         only) of a version 1/2 file) for the manifest file ``name``; checks the identity, nothing else."""
-        fd, _ = _open_regular(name, dir_fd)
-        try:
-            version = file_version(fd, name)
-            if version == SEGMENTED_VERSION:
-                return version, read_session_manifest(fd, name), None
-            found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
-            return version, None, found
-        finally:
-            os.close(fd)
+        with _reading_manifest(name):
+            fd, _ = _open_regular(name, dir_fd)
+            try:
+                version = file_version(fd, name)
+                if version == SEGMENTED_VERSION:
+                    return version, read_session_manifest(fd, name), None
+                found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
+                return version, None, found
+            finally:
+                os.close(fd)
 
     def _manifest(self, dir_fd: int, session_id: str) -> SessionManifest | None:
         """The verified version 3 manifest of ``session_id``, None for a version 1/2 file; raises
-        CheckpointNotFound, CheckpointCorrupt (another session's file) or CheckpointIncompatible."""
+        CheckpointNotFound, CheckpointCorrupt (another session's file), CheckpointIncompatible
+        or StoreUnavailable (the system failed the read)."""
         name = session_hash(session_id) + SUFFIX
-        try:
-            fd, _ = _open_regular(name, dir_fd)
-        except CheckpointNotFound:
-            raise self._not_found(session_id) from None
-        try:
-            if file_version(fd, name) != SEGMENTED_VERSION:
-                return None
-            m = read_session_manifest(fd, name)
-        finally:
-            os.close(fd)
+        with _reading_manifest(name):
+            try:
+                fd, _ = _open_regular(name, dir_fd)
+            except CheckpointNotFound:
+                raise self._not_found(session_id) from None
+            try:
+                if file_version(fd, name) != SEGMENTED_VERSION:
+                    return None
+                m = read_session_manifest(fd, name)
+            finally:
+                os.close(fd)
         self.check_manifest(m, session_id, name)
         return m
 
@@ -811,7 +934,8 @@ class SessionStore(StoreBinding):
         try:
             name = session_hash(session_id) + SUFFIX
             try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                with _reading_manifest(name):
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 raise self._not_found(session_id) from None
             version, m, _ = self._read_saved(dir_fd, session_id, name)
@@ -824,12 +948,13 @@ class SessionStore(StoreBinding):
             os.close(dir_fd)
 
     def _legacy_info(self, dir_fd: int, name: str, session_id: str, st: os.stat_result, version: int) -> SessionInfo:
-        fd, _ = _open_regular(name, dir_fd)
-        try:
-            found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
-            manifest = _legacy_wire(fd, name)
-        finally:
-            os.close(fd)
+        with _reading_manifest(name):
+            fd, _ = _open_regular(name, dir_fd)
+            try:
+                found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
+                manifest = _legacy_wire(fd, name)
+            finally:
+                os.close(fd)
         if found != session_id:
             raise CheckpointCorrupt(f"{name} holds session {found!r}, not {session_id!r}")
         fmt = manifest.get("format", {})
@@ -861,7 +986,7 @@ class SessionStore(StoreBinding):
                 raise os_failure(CheckpointReadError, e, f"cannot list {str(self.path)!r}") from None
             out = []
             for name in names:
-                if not _NAME.fullmatch(name):
+                if not MANIFEST_NAME.fullmatch(name):
                     continue
                 try:
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -883,7 +1008,7 @@ class SessionStore(StoreBinding):
         try:
             out = []
             for name in sorted(os.listdir(dir_fd)):
-                if not _NAME.fullmatch(name):
+                if not MANIFEST_NAME.fullmatch(name):
                     continue
                 try:
                     _, m, found = self._read_saved(dir_fd, None, name)
@@ -911,6 +1036,8 @@ class SessionStore(StoreBinding):
                 found: SessionManifest | None
                 try:
                     found = self._manifest(dir_fd, session_id)
+                except StoreUnavailable:
+                    raise
                 except CheckpointError:
                     found = None  # none, damaged or foreign: this save writes everything
                 base, compact = self._base_plan(found)
@@ -1116,10 +1243,14 @@ class SessionStore(StoreBinding):
         self._release(plan)
 
     def _names_segment(self, dir_fd: int, plan: SavePlan) -> bool:
+        """Whether the session's manifest may name the plan's segment (a failed commit may have
+        published it): a manifest the system failed to read keeps the segment."""
         try:
             m = self._manifest(dir_fd, plan.session_id)
+        except StoreUnavailable:
+            return True  # cannot tell: clean() decides, knowing which manifests it could not read
         except CheckpointError:
-            return False
+            return False  # none, or one this save did not write (it writes a readable one)
         return m is not None and any(r.name == plan.segment for r in m.segments)
 
     @staticmethod
@@ -1195,7 +1326,11 @@ class SessionStore(StoreBinding):
     # -- removing -------------------------------------------------------------------------------
 
     def delete(self, session_id: str) -> bool:
-        """Remove ``session_id``'s saved files; return whether one existed. Live sessions are untouched."""
+        """Remove ``session_id``'s saved files; return whether one existed. Live sessions are untouched.
+
+        Whatever sits at the manifest's path goes: a symlink or FIFO is unlinked (never followed
+        or opened) and a directory removed with its contents, so an unusable id becomes usable
+        again. The segments of a manifest that cannot be read stay until :meth:`clean`."""
         digest = session_hash(session_id)
         name = digest + SUFFIX
         dir_fd = self._open_dir()
@@ -1205,14 +1340,17 @@ class SessionStore(StoreBinding):
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     return False
-                if not stat.S_ISREG(st.st_mode):
-                    raise CheckpointUnsafePath(f"{name!r} in the store is not a regular file")
+                m = None
+                if stat.S_ISREG(st.st_mode):
+                    try:
+                        m = self._manifest(dir_fd, session_id)
+                    except CheckpointError:
+                        pass  # damaged, foreign or unreadable: what it names goes with clean()
                 try:
-                    m = self._manifest(dir_fd, session_id)
-                except CheckpointError:
-                    m = None
-                try:
-                    os.unlink(name, dir_fd=dir_fd)
+                    if stat.S_ISDIR(st.st_mode):
+                        _remove_tree(dir_fd, name)
+                    else:
+                        os.unlink(name, dir_fd=dir_fd)
                 except FileNotFoundError:
                     return False  # a concurrent delete won
                 for ref in m.segments if m is not None else []:
@@ -1238,37 +1376,29 @@ class SessionStore(StoreBinding):
                 gone.append(info.session_id)
         return gone
 
-    def clean(self, *, older_than: float = 0.0) -> tuple[builtins.list[str], int]:
+    def clean(self, *, older_than: float = 0.0) -> CleanResult:
         """Remove what killed writers left behind, temporary files and segments no manifest
         names, and the shared blocks no manifest names any more (their sessions were deleted or
         moved on), of those last modified more than ``older_than`` seconds ago.
 
         Runs only when no writer holds the store (raises :class:`StoreBusy` otherwise), so nothing
-        it removes is a save in progress, and no block it removes is about to be named. Returns
-        (the names removed, their bytes)."""
+        it removes is a save in progress, and no block it removes is about to be named. A manifest
+        it cannot read protects what it may name (:meth:`survey`): its session's segments, and
+        every block. Returns (the names removed, their bytes), and what was kept for manifests it
+        could not read (:class:`CleanResult`)."""
         if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
             raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
         cutoff = time.time() - older_than
         dir_fd = self._open_dir()
         try:
             with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
-                names = os.listdir(dir_fd)
-                referenced: set[str] = set()
-                for name in names:
-                    if _NAME.fullmatch(name):
-                        try:
-                            _, m, _ = self._read_saved(dir_fd, None, name)
-                        except (CheckpointError, OSError):
-                            m = None
-                        if m is not None:
-                            referenced.update(r.name for r in m.segments)
+                names = sorted(os.listdir(dir_fd))
+                survey = self.survey(
+                    (n for n in names if MANIFEST_NAME.fullmatch(n)), lambda n: self._read_saved(dir_fd, None, n)[1]
+                )
+                stray, kept = survey.partition(names)
                 removed, nbytes = [], 0
-                for name in names:
-                    stray = _TEMP_NAME.fullmatch(name) or (
-                        (_SEGMENT_NAME.fullmatch(name) or BLOCK_NAME.fullmatch(name)) and name not in referenced
-                    )
-                    if not stray:
-                        continue
+                for name in [*(n for n in names if _TEMP_NAME.fullmatch(n)), *stray]:
                     try:
                         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                         if stat.S_ISREG(st.st_mode) and st.st_mtime <= cutoff:
@@ -1279,7 +1409,7 @@ class SessionStore(StoreBinding):
                         continue
                 if removed:
                     os.fsync(dir_fd)
-                return sorted(removed), nbytes
+                return CleanResult(sorted(removed), nbytes, kept=kept, unreadable=survey.unreadable)
         except OSError as e:
             raise os_failure(CheckpointWriteError, e, f"cannot clean the session store {str(self.path)!r}") from None
         finally:
@@ -1297,6 +1427,36 @@ class SessionStore(StoreBinding):
     def nbytes(self, session_id: str) -> int:
         """Bytes ``session_id`` takes on disk (manifest and segments)."""
         return self.info(session_id).nbytes
+
+
+def _remove_tree(parent_fd: int, name: str) -> None:
+    """Remove the directory ``name`` in ``parent_fd`` and everything in it, following no symlink."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+    try:
+        for entry in os.listdir(fd):
+            if stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
+                _remove_tree(fd, entry)
+            else:
+                os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+@contextmanager
+def _reading_manifest(name: str) -> Iterator[None]:
+    """The system failing a manifest's read (an I/O or permission error) raises StoreUnavailable:
+    the session is not known to be damaged, and a later read may succeed. A file that does not
+    exist is let through (FileNotFoundError, CheckpointNotFound), as is every other error."""
+    try:
+        yield
+    except CheckpointReadError as e:
+        raise StoreUnavailable(f"{e}; the saved session is not known to be damaged") from None
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        failure = os_failure(CheckpointReadError, e, f"cannot read {name!r}")
+        raise StoreUnavailable(f"{failure}; the saved session is not known to be damaged") from None
 
 
 def _block_run_end(m: SessionManifest) -> int:
@@ -1342,17 +1502,23 @@ async def open_store(
     max_bytes: int = DEFAULT_MAX_BYTES,
     compact_after: int = DEFAULT_COMPACT_AFTER,
     block_tokens: int | None = None,
+    share_blocks_across_namespaces: bool = False,
+    timeout: float | None = None,
     **options: Any,
 ) -> StoreBinding:
     """The session store at ``location``, bound to the model files and configuration.
 
     A path or ``file://`` URL is a local :class:`SessionStore` (``options`` must be empty).
     ``block_tokens`` (None: the backend's default, :data:`LOCAL_BLOCK_TOKENS` or
-    :data:`~muxworker.transport.checkpoint.blocks.DEFAULT_BLOCK_TOKENS`) sizes the shared blocks.
+    :data:`~muxworker.transport.checkpoint.blocks.DEFAULT_BLOCK_TOKENS`) sizes the shared blocks,
+    which sessions share only within their namespace (the part of the id before its first "/")
+    unless ``share_blocks_across_namespaces``.
     ``s3://bucket/prefix``, ``gs://``, ``az://`` and ``memory:///`` are an
     :class:`~.object_store.ObjectSessionStore`. It takes credentials, region and endpoint from the
     environment as every tool for that cloud does (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
     ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...), and ``options`` are obstore's store options.
+    ``timeout`` (seconds; None: :data:`~.object_store.DEFAULT_TIMEOUT`) bounds how long a request
+    to an object store may fail before :class:`StoreUnavailable`; a local store has none.
     """
     text = os.fspath(location)
     scheme = text.split("://", 1)[0] if "://" in text else ""
@@ -1367,8 +1533,9 @@ async def open_store(
             max_bytes=max_bytes,
             compact_after=compact_after,
             block_tokens=LOCAL_BLOCK_TOKENS if block_tokens is None else block_tokens,
+            share_blocks_across_namespaces=share_blocks_across_namespaces,
         )
-    from .object_store import OBJECT_SCHEMES, ObjectSessionStore
+    from .object_store import DEFAULT_TIMEOUT, OBJECT_SCHEMES, ObjectSessionStore
 
     if scheme not in OBJECT_SCHEMES:
         raise InvalidArgument(
@@ -1382,5 +1549,7 @@ async def open_store(
         max_bytes=max_bytes,
         compact_after=compact_after,
         block_tokens=DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens,
+        share_blocks_across_namespaces=share_blocks_across_namespaces,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
         **options,
     )

@@ -6,10 +6,12 @@
     prune --older-than T     delete the sessions last saved more than T ago (T: 3600, 90m, 12h, 7d)
     verify [ID...]           read every byte and check every checksum (all sessions by default)
     clean                    remove what killed writers left (temp files, unpublished segments) and
-                             shared blocks no session names, only when no writer holds the store
+                             shared blocks no session names, only when no writer holds the store;
+                             a manifest it cannot read keeps its session's segments and every block
 
-Exit status: 0 on success, 1 when a session is missing or fails verification, 2 on a usage error or
-when the store cannot be used (``clean`` while a writer holds it).
+Exit status: 0 on success, 1 when a session is missing, cannot be deleted or fails verification, or
+``clean`` met a manifest it could not read; 2 on a usage error or when the store cannot be used
+(``clean`` while a writer holds it). Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from muxworker.client import CheckpointError, InvalidArgument, SessionInfo, SessionStore, StoreBusy
+from muxworker.client import MuxError, SessionInfo, SessionStore, StoreBusy
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -91,13 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error(exc: BaseException | str) -> str:
+    """One line naming what failed (messages from the system may span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         store = SessionStore.inspect(args.store)
-    except (CheckpointError, InvalidArgument) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        return _run(store, args)
+    except StoreBusy as exc:
+        print(f"error: {_error(exc)}; run clean when no worker or client is saving", file=sys.stderr)
         return 2
+    except (MuxError, OSError) as exc:  # the store or the system failed: one line, no traceback
+        print(f"error: {_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def _run(store: SessionStore, args: argparse.Namespace) -> int:
     status = 0
     if args.command == "list":
         infos = store.list_info()
@@ -107,19 +121,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "show":
         try:
             info = store.info(args.session_id)
-            files = store.files_of(args.session_id)
-        except CheckpointError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            files = [(path, path.lstat().st_size) for path in store.files_of(args.session_id)]
+        except (MuxError, OSError) as exc:
+            print(f"error: {_error(exc)}", file=sys.stderr)
             return 1
         for key in ("session_id", "tokens", "nbytes", "segments", "dtype", "backend", "identity", "file_version"):
             print(f"{key + ':':14} {getattr(info, key)}")
         print(f"{'created:':14} {_time(info.created)}")
         print(f"{'saved:':14} {_time(info.saved)}")
-        for path in files:
-            print(f"{'file:':14} {path.name} ({path.stat().st_size} bytes)")
+        for path, size in files:
+            print(f"{'file:':14} {path.name} ({size} bytes)")
     elif args.command == "delete":
         for sid in args.session_ids:
-            if store.delete(sid):
+            try:
+                deleted = store.delete(sid)
+            except MuxError as exc:
+                print(f"error: {_error(exc)}", file=sys.stderr)
+                status = 1
+                continue
+            if deleted:
                 print(f"deleted {sid}")
             else:
                 print(f"no saved session {sid!r}", file=sys.stderr)
@@ -131,25 +151,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids = args.session_ids or [i.session_id for i in store.list_info()]
         damaged = store.unreadable() if not args.session_ids else []
         for name, why in damaged:
-            print(f"BAD  {name}: {why}")
+            print(f"BAD  {name}: {_error(why)}")
             status = 1
         for sid in ids:
             try:
                 info = store.verify(sid)
-            except CheckpointError as exc:
-                print(f"BAD  {sid}: {exc}")
+            except MuxError as exc:
+                print(f"BAD  {sid}: {_error(exc)}")
                 status = 1
             else:
                 print(f"ok   {sid} ({info.tokens} tokens, {info.segments} segment(s), {_mib(info.nbytes)} MiB)")
     elif args.command == "clean":
-        try:
-            removed, nbytes = store.clean()
-        except StoreBusy as exc:
-            print(f"error: {exc}; run clean when no worker or client is saving", file=sys.stderr)
-            return 2
-        for name in removed:
+        result = store.clean()
+        for name in result.removed:
             print(f"removed {name}")
-        print(f"{len(removed)} file(s), {_mib(nbytes)} MiB")
+        print(f"{len(result.removed)} file(s), {_mib(result.nbytes)} MiB")
+        if result.unreadable:
+            for name, why in result.unreadable:
+                print(f"unreadable {name}: {_error(why)}", file=sys.stderr)
+            print(
+                f"kept {len(result.kept)} file(s) of {len(result.unreadable)} manifest(s) that could not be read "
+                "(their sessions' segments, and every block no readable manifest names); run "
+                f"`python -m muxworker.sessions {args.store} verify` to see why, then restore or delete them",
+                file=sys.stderr,
+            )
+            status = 1
     return status
 
 

@@ -6,7 +6,10 @@ What is checked: host checkpoints round-trip bit for bit; a worker saves through
 channel into memory files uploaded as immutable segments, incrementally, and resumes exactly
 like the never-saved session; of two concurrent writers the later fails with SaveConflict and the
 winner's save stays whole; a damaged segment is refused; a missing bucket or a refused
-credential is a clear error at start-up, not at the first save.
+credential is a clear error at start-up, not at the first save; clean() deletes only what no
+manifest may name (one it cannot read protects its session's segments and every block); blocks are
+shared within a namespace only, unless the store opts in; a store that stops answering raises
+StoreUnavailable within its timeout.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import subprocess
+import struct
 import sys
 import time
 
@@ -32,48 +35,24 @@ from muxworker.client import (
     open_store,
     spawn_multiplexed_worker,
 )
+from muxworker.client.checkpoint import CheckpointIncompatible
 from muxworker.client.object_store import connect
-from muxworker.client.store import StorePermissionError
+from muxworker.client.store import StorePermissionError, StoreUnavailable, session_hash
+from muxworker.native import crc32c
 from muxworker.transport.checkpoint.segments import write_checkpoint_segment
 
 obstore = pytest.importorskip("obstore")
+from helpers.s3 import BUCKET, moto_server  # noqa: E402
 from test_store import CONFIG, assert_same, make_checkpoint  # noqa: E402
 
-BUCKET = "muxworker-sessions"
 HANG_GUARD_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    """A real S3 API on 127.0.0.1 (moto's server mode) with one bucket; yields its endpoint."""
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(endpoint + "/moto-api/", timeout=1)
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.1)
-        assert httpx.put(f"{endpoint}/{BUCKET}").status_code == 200  # CreateBucket
+    """moto's S3 for the module's tests; yields its endpoint."""
+    with moto_server() as (endpoint, _):
         yield endpoint
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -573,3 +552,204 @@ def test_the_chat_saves_and_resumes_a_session_on_s3(s3_env, tiny_llama_dir, tmp_
             term.proc.kill()
             term.proc.wait()
     assert [n for n in os.listdir(tmp_path / "transcripts") if n.endswith(".json")]
+
+
+# -- a collector deletes only what it can prove unnamed, on every backend --------------------------
+
+
+def _read_object(store, name: str) -> bytes:
+    if isinstance(store, SessionStore):
+        return (store.path / name).read_bytes()
+    return bytes(obstore.get(store.store, name).bytes())
+
+
+def _write_object(store, name: str, data: bytes) -> None:
+    if isinstance(store, SessionStore):
+        (store.path / name).write_bytes(data)
+    else:
+        obstore.put(store.store, name, data)
+
+
+def _newer_version(manifest: bytes) -> bytes:
+    """``manifest`` as a newer build would write it: file version 4, every checksum valid."""
+    data = bytearray(manifest)
+    head_end = 16 + struct.unpack_from("<I", data, 12)[0]
+    struct.pack_into("<I", data, 8, 4)
+    head_crc = crc32c(bytes(data[:head_end]))
+    struct.pack_into("<I", data, head_end, head_crc)
+    struct.pack_into("<I", data, len(data) - 8, head_crc)  # the trailer repeats it, then its own CRC
+    struct.pack_into("<I", data, len(data) - 4, crc32c(bytes(data[-24:-4])))
+    return bytes(data)
+
+
+def _refuse_reads(store, monkeypatch, name: str) -> None:
+    """Reads of ``name`` fail as a transient fault would: EACCES on a file, a 403 from a bucket."""
+    if isinstance(store, SessionStore):
+        real_open = os.open
+
+        def refusing_open(path, flags, *args, **kwargs):
+            if os.fspath(path) == name and not flags & os.O_CREAT:
+                raise PermissionError(13, "Permission denied (injected)", name)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refusing_open)
+    else:
+        real_get = obstore.get
+
+        def refusing_get(target, path, *args, **kwargs):
+            if path == name:
+                raise obstore.exceptions.PermissionDeniedError(f"403 Forbidden for {path} (injected)")
+            return real_get(target, path, *args, **kwargs)
+
+        monkeypatch.setattr(obstore, "get", refusing_get)
+
+
+@pytest.mark.parametrize("fault", ["refused_read", "newer_version", "flipped_bit"])
+async def test_clean_keeps_everything_a_manifest_it_cannot_read_may_name(store_url, model_files, monkeypatch, fault):
+    # A manifest clean() cannot read, for whatever reason, may name its session's segments and any
+    # block: clean() keeps them all and says so, and once the fault is gone every save loads.
+    store = await _open_fast(store_url, model_files)
+    victim, keeper = sharing(600, 520, seed=1, base_seed=7), sharing(600, 520, seed=2, base_seed=8)
+    for sid, ckpt in (("victim", victim), ("keeper", keeper), ("gone", sharing(300, 300, seed=3, base_seed=9))):
+        await trio.to_thread.run_sync(store.save, sid, ckpt)
+    assert await trio.to_thread.run_sync(store.delete, "gone")  # its block is named by no one now
+    unnamed = _blocks(store) - _named(store, "victim", "keeper")
+    assert unnamed
+    digest = session_hash("victim")
+    manifest = digest + ".mxckpt"
+    leftover = f"{digest}.0123456789abcdef.mxseg"  # a killed writer's segment of the victim
+    ghost = f"{session_hash('ghost')}.0123456789abcdef.mxseg"  # one of a session never saved
+    for name in (leftover, ghost):
+        _write_object(store, name, b"x" * 100)
+    victims = {manifest, *(r.name for r in _manifest(store, "victim").segments)}
+    original = _read_object(store, manifest)
+    if fault == "refused_read":
+        _refuse_reads(store, monkeypatch, manifest)
+        with pytest.raises(StoreUnavailable, match="not known to be damaged|refused"):
+            await trio.to_thread.run_sync(store.info, "victim")
+    elif fault == "newer_version":
+        _write_object(store, manifest, _newer_version(original))
+        with pytest.raises(CheckpointIncompatible, match="version 4"):
+            await trio.to_thread.run_sync(store.load, "victim")
+    else:
+        _write_object(store, manifest, original[:40] + bytes([original[40] ^ 0x04]) + original[41:])
+        with pytest.raises(CheckpointCorrupt, match="checksum"):
+            await trio.to_thread.run_sync(store.load, "victim")
+    await _aged(store)
+
+    result = await trio.to_thread.run_sync(lambda: store.clean(older_than=0))
+    assert victims <= set(_stored(store)) and leftover in _stored(store) and unnamed <= _blocks(store)
+    assert not set(result.removed) & {leftover, *unnamed, *victims}
+    assert [name for name, _ in result.unreadable] == [manifest]
+    assert {leftover, *unnamed} <= set(result.kept) and ghost not in result.kept
+    if isinstance(store, SessionStore):  # an object store takes segments only once older_than/4 old
+        assert result.removed == [ghost]
+
+    monkeypatch.undo()
+    _write_object(store, manifest, original)
+    assert_same(await trio.to_thread.run_sync(store.load, "victim"), victim)
+    assert_same(await trio.to_thread.run_sync(store.load, "keeper"), keeper)
+    # Once every manifest reads, what no session names goes.
+    result = await trio.to_thread.run_sync(lambda: store.clean(older_than=0))
+    assert (result.unreadable, result.kept) == ([], [])
+    assert unnamed <= set(result.removed) and _blocks(store) == _named(store, "victim", "keeper")
+    assert_same(await trio.to_thread.run_sync(store.load, "victim"), victim)
+
+
+# -- blocks are shared within a namespace (the id's part before its first "/") ---------------------
+
+
+async def test_blocks_are_shared_within_a_namespace_and_across_only_when_the_store_opts_in(store_url, model_files):
+    store = await _open_fast(store_url, model_files)
+    sids = ("t1/a", "t1/b", "t2/a", "plain", "other")
+    saved = {sid: sharing(600, 520, seed=i) for i, sid in enumerate(sids)}
+    for sid, ckpt in saved.items():
+        await trio.to_thread.run_sync(store.save, sid, ckpt)
+    keys = {sid: _keys_of(_named(store, sid)) for sid in sids}
+    assert len(keys["t1/a"]) == 2 and keys["t1/a"] == keys["t1/b"]  # one namespace: shared
+    assert not keys["t1/a"] & keys["t2/a"]  # another: its own blocks, so its saves tell nothing
+    assert keys["plain"] == keys["other"] and not keys["plain"] & (keys["t1/a"] | keys["t2/a"])
+    for sid, ckpt in saved.items():
+        assert_same(await trio.to_thread.run_sync(store.load, sid), ckpt)
+
+    # Trusted tenants: one store sharing across namespaces names the blocks that ids without a
+    # namespace name (the keys of stores that never had namespaces).
+    url = "memory:///" if store_url.startswith("memory:") else store_url + "-shared"
+    trusting = await _open_fast(url, model_files, share_blocks_across_namespaces=True)
+    for sid in ("t1/a", "t2/a"):
+        await trio.to_thread.run_sync(trusting.save, sid, saved[sid])
+        assert _keys_of(_named(trusting, sid)) == keys["plain"]
+        assert_same(await trio.to_thread.run_sync(trusting.load, sid), saved[sid])
+    assert len(_keys(trusting)) == 2
+
+
+# -- an unreachable store: StoreUnavailable within the store's timeout -----------------------------
+
+
+async def _timed(call) -> float:
+    """Seconds ``call`` took in a thread (a guard ends a hang, abandoning the thread)."""
+    began = time.monotonic()
+    with trio.fail_after(HANG_GUARD_S):
+        await trio.to_thread.run_sync(call, abandon_on_cancel=True)
+    return time.monotonic() - began
+
+
+async def test_a_store_that_stops_answering_is_unavailable_within_its_timeout(s3_env, model_files):
+    timeout = 4.0
+    with moto_server() as (endpoint, server):
+        store = await _open(f"s3://{BUCKET}/down", model_files, endpoint=endpoint, timeout=timeout)
+        checkpoint = make_checkpoint(12, seed=3)
+        await trio.to_thread.run_sync(store.save, "s", checkpoint)
+        assert_same(await trio.to_thread.run_sync(store.load, "s"), checkpoint)
+        server.terminate()  # the store goes away mid-session: connections are refused
+        server.wait(timeout=30)
+        for call in (store.info, store.load, store.begin_resume, lambda sid: store.save(sid, checkpoint)):
+
+            def attempt(call=call) -> None:
+                with pytest.raises(StoreUnavailable, match="s3://"):
+                    call("s")
+
+            assert await _timed(attempt) < timeout
+
+    # A store that accepts connections and never answers: each try times out.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        hung = ObjectSessionStore(
+            connect(f"s3://{BUCKET}/hung", timeout=timeout, endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}"),
+            url=f"s3://{BUCKET}/hung",
+            identity=store.identity,
+        )
+        for call in (hung.info, hung.load):
+
+            def attempt(call=call) -> None:
+                with pytest.raises(StoreUnavailable, match="s3://"):
+                    call("s")
+
+            assert await _timed(attempt) < timeout
+
+
+async def test_refused_reads_are_unavailable_and_refused_writes_a_permission_error(model_files, monkeypatch):
+    store = await _open("memory:///", model_files)
+    await trio.to_thread.run_sync(store.save, "s", make_checkpoint(8, seed=1))
+    denied = obstore.exceptions.PermissionDeniedError("403 Forbidden (injected)")
+    real_get, real_put = obstore.get, obstore.put
+
+    def get(*args, **kwargs):
+        raise denied
+
+    monkeypatch.setattr(obstore, "get", get)
+    for call in (store.info, store.load):
+        with pytest.raises(StoreUnavailable, match="refused the credentials") as info:
+            await trio.to_thread.run_sync(call, "s")
+        assert not isinstance(info.value, StorePermissionError)  # the data may be whole: retry later
+    monkeypatch.setattr(obstore, "get", real_get)
+
+    def put(*args, **kwargs):
+        raise denied
+
+    monkeypatch.setattr(obstore, "put", put)
+    with pytest.raises(StorePermissionError, match="refused the credentials"):
+        await trio.to_thread.run_sync(store.save, "s", make_checkpoint(9, seed=2))
+    monkeypatch.setattr(obstore, "put", real_put)
+    assert_same(await trio.to_thread.run_sync(store.load, "s"), make_checkpoint(8, seed=1))

@@ -121,3 +121,83 @@ def test_clean_removes_leftovers_only_when_no_writer_holds_the_store(store):
 def test_a_missing_store_is_a_clear_error(tmp_path):
     out = cli(tmp_path / "nowhere", "list")
     assert out.returncode == 2 and "no session store" in out.stderr
+
+
+def _place(kind: str, path, outside) -> None:
+    if kind == "symlink":
+        path.symlink_to(outside)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (path / "inner").mkdir(parents=True)
+        (path / "inner" / "file").write_bytes(b"x")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_an_unusable_manifest_never_hangs_a_command_and_delete_removes_it(store, tmp_path, kind):
+    # Every command finishes (cli() times out after 60 s: a FIFO opened for a blocking read would
+    # hang), says what is wrong in one line, never with a traceback, and delete makes the id usable.
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    path = store.path_for("bad")
+    _place(kind, path, outside)
+    listed = cli(store.path, "list")
+    assert listed.returncode == 0 and "2 session(s)" in listed.stdout
+    for args, status, where in (
+        (("show", "bad"), 1, "stderr"),
+        (("verify",), 1, "stdout"),
+        (("verify", "bad"), 1, "stdout"),
+        (("clean",), 1, "stderr"),
+    ):
+        out = cli(store.path, *args)
+        assert out.returncode == status, (args, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr + out.stdout
+        assert path.name in getattr(out, where) or "not a regular file" in getattr(out, where), (args, out)
+    clean = cli(store.path, "clean")
+    assert "could not be read" in clean.stderr and f"muxworker.sessions {store.path} verify" in clean.stderr
+    deleted = cli(store.path, "delete", "bad")
+    assert (deleted.returncode, deleted.stdout.strip(), deleted.stderr) == (0, "deleted bad", "")
+    assert not os.path.lexists(path) and outside.read_bytes() == b"precious"
+    for args in (("verify",), ("clean",)):
+        out = cli(store.path, *args)
+        assert out.returncode == 0, (args, out.stdout, out.stderr)
+    assert sorted(store.list()) == ["agent/2", "chat: one"]
+
+
+def test_clean_keeps_the_segments_of_a_manifest_it_cannot_read_and_says_so(store):
+    manifest = store.path_for("agent/2")
+    segment = store.files_of("agent/2")[1]
+    original = manifest.read_bytes()
+    manifest.write_bytes(original[:30] + bytes([original[30] ^ 0x01]) + original[31:])  # one flipped bit
+    stray = store.path / (store.path_for("x").stem + ".0123456789abcdef.mxseg")  # provably unnamed
+    stray.write_bytes(b"x" * 100)
+    out = cli(store.path, "clean")
+    assert out.returncode == 1
+    assert f"removed {stray.name}" in out.stdout and "1 file(s)" in out.stdout
+    assert f"unreadable {manifest.name}: " in out.stderr and "checksum" in out.stderr
+    assert "kept 1 file(s) of 1 manifest(s) that could not be read" in out.stderr  # its segment
+    assert segment.exists() and not stray.exists()
+    # A leftover of that session (a killed writer's segment) is kept too while it cannot be read.
+    leftover = store.path / (manifest.stem + ".0123456789abcdef.mxseg")
+    leftover.write_bytes(b"y" * 100)
+    out = cli(store.path, "clean")
+    assert out.returncode == 1 and "kept 2 file(s)" in out.stderr and leftover.exists() and segment.exists()
+    manifest.write_bytes(original)
+    assert cli(store.path, "verify").returncode == 0
+    out = cli(store.path, "clean")
+    assert out.returncode == 0 and f"removed {leftover.name}" in out.stdout and out.stderr == ""
+    assert segment.exists() and cli(store.path, "verify").returncode == 0
+
+
+def test_a_store_error_is_one_line_not_a_traceback(store):
+    done = subprocess.run(["chattr", "+i", str(store.path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"chattr +i is unavailable here: {done.stderr.strip()}")
+    try:
+        out = cli(store.path, "delete", "agent/2", "chat: one")
+    finally:
+        subprocess.run(["chattr", "-i", str(store.path)], check=True)
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: cannot delete session") for line in lines)
+    assert sorted(store.list()) == ["agent/2", "chat: one"]

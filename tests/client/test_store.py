@@ -26,7 +26,7 @@ from muxworker.client.checkpoint import (
     checkpoint_identity,
 )
 from muxworker.client.params import ModelInfo, WorkerInfo
-from muxworker.client.store import ConfigurationMismatch, SessionStore, StorePermissionError
+from muxworker.client.store import ConfigurationMismatch, SessionStore, StorePermissionError, StoreUnavailable
 from muxworker.native import crc32c
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES, validate
@@ -347,22 +347,45 @@ async def test_save_and_load_refuse_a_checkpoint_of_another_dtype_than_declared(
         store.load("s")
 
 
-async def test_symlinks_and_fifos_in_the_store_are_refused(store, tmp_path):
+def place_unusable(kind: str, path, outside) -> None:
+    """Put a symlink (to ``outside``), a FIFO or a non-empty directory at a manifest's path."""
+    if kind == "symlink":
+        path.symlink_to(outside)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (path / "inner").mkdir(parents=True)
+        (path / "inner" / "file").write_bytes(b"x")
+        (path / "link").symlink_to(outside)  # removed, never followed
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+async def test_an_unusable_manifest_path_is_refused_and_delete_removes_it(store, tmp_path, kind):
+    # A symlink, FIFO or directory where a manifest belongs is never followed, opened for a
+    # blocking read or replaced; delete() removes it (not what a symlink points to), so the id
+    # is usable again.
     outside = tmp_path / "outside.mxckpt"
     outside.write_bytes(b"precious")
-    store.path_for("link").symlink_to(outside)
-    with pytest.raises(CheckpointUnsafePath):
-        store.load("link")
-    with pytest.raises(CheckpointUnsafePath):
-        store.save("link", make_checkpoint())
-    with pytest.raises(CheckpointUnsafePath):
-        store.delete("link")
-    assert outside.read_bytes() == b"precious"
-    os.mkfifo(store.path_for("fifo"))
-    with pytest.raises(CheckpointUnsafePath):
-        store.load("fifo")
-    with pytest.raises(CheckpointUnsafePath):
-        store.save("fifo", make_checkpoint())
+    store.save("other", make_checkpoint(seed=1))
+    path = store.path_for("bad")
+    place_unusable(kind, path, outside)
+
+    def use() -> None:  # in a thread: a blocking open of the FIFO would hang it, not the test
+        for call in (store.load, store.info, store.files_of, lambda sid: store.save(sid, make_checkpoint())):
+            with pytest.raises(CheckpointUnsafePath):
+                call("bad")
+        assert store.list() == ["other"]
+        assert [name for name, _ in store.unreadable()] == [path.name]
+        assert [name for name, _ in store.clean().unreadable] == [path.name]
+        assert store.delete("bad") is True
+
+    with trio.fail_after(60):
+        await trio.to_thread.run_sync(use, abandon_on_cancel=True)
+    assert not os.path.lexists(path) and outside.read_bytes() == b"precious"
+    assert store.delete("bad") is False
+    store.save("bad", make_checkpoint(seed=2))
+    assert_same(make_checkpoint(seed=2), store.load("bad"))
+    assert_same(make_checkpoint(seed=1), store.load("other"))
     assert leftovers(store) == []
 
 
@@ -537,15 +560,20 @@ async def test_save_failures_name_their_reason_and_keep_the_previous_file(
     assert leftovers(store) == []
 
 
+def _of(suffix: str):
+    """A ``when`` for _failing: calls on an open file (its fd first) whose name ends with ``suffix``."""
+    return lambda fd, *args, **kwargs: os.readlink(f"/proc/self/fd/{fd}").endswith(suffix)
+
+
 async def test_read_and_delete_failures_name_their_reason(store, monkeypatch):
     store.save("s", make_checkpoint(seed=1))
-    monkeypatch.setattr(os, "preadv", _failing(os.preadv, errno.EIO))
+    monkeypatch.setattr(os, "preadv", _failing(os.preadv, errno.EIO, when=_of(".mxseg")))
     with pytest.raises(CheckpointReadError, match="I/O error") as info:
         store.load("s")
     assert info.value.reason == "io_error"
     monkeypatch.undo()
-    regular = lambda path, flags, *a, **k: not flags & os.O_DIRECTORY  # noqa: E731
-    monkeypatch.setattr(os, "open", _failing(os.open, errno.EACCES, when=regular))
+    segment = lambda path, flags, *a, **k: str(path).endswith(".mxseg")  # noqa: E731
+    monkeypatch.setattr(os, "open", _failing(os.open, errno.EACCES, when=segment))
     with pytest.raises(CheckpointReadError, match="permission denied"):
         store.load("s")
     monkeypatch.undo()
@@ -555,6 +583,29 @@ async def test_read_and_delete_failures_name_their_reason(store, monkeypatch):
     assert info.value.reason == "read_only"
     monkeypatch.undo()
     assert_same(make_checkpoint(seed=1), store.load("s"))
+
+
+@pytest.mark.parametrize(
+    "call, err",
+    [("open", errno.EACCES), ("open", errno.EIO), ("pread", errno.EIO), ("preadv", errno.EIO), ("fstat", errno.EIO)],
+)
+async def test_a_manifest_the_system_cannot_read_is_unavailable_not_damaged(store, monkeypatch, call, err):
+    # The session's files may be whole: the error must not read as a damaged checkpoint (which
+    # tells a user to delete it), and a save must not replace a manifest it could not read.
+    store.save("s", make_checkpoint(seed=1))
+    if call == "open":
+        when = lambda path, flags, *a, **k: str(path).endswith(".mxckpt") and not flags & os.O_CREAT  # noqa: E731
+    else:
+        when = _of(".mxckpt")
+    monkeypatch.setattr(os, call, _failing(getattr(os, call), err, when=when))
+    for operation in (store.info, store.load, store.verify, store.begin_resume, store.files_of):
+        with pytest.raises(StoreUnavailable, match=f"{errno.errorcode[err]}.*not known to be damaged"):
+            operation("s")
+    with pytest.raises(StoreUnavailable):
+        store.save("s", make_checkpoint(seed=2))
+    monkeypatch.undo()
+    assert_same(make_checkpoint(seed=1), store.load("s"))
+    assert leftovers(store) == []
 
 
 async def test_a_store_directory_that_cannot_be_created_names_the_reason(tmp_path, model_files, monkeypatch):

@@ -5,12 +5,16 @@ A store that saves in blocks (``block_tokens`` B, 128 by default) keeps a sessio
 session's position (file version 3 segments both; docs/CHECKPOINT_FORMAT.md). A block is named by
 its **key**::
 
-    key_0 = sha256("muxworker-block-1" | identity | format | geometry)   (the chain's seed)
+    key_0 = sha256("muxworker-block-1" | identity | format | geometry [| namespace])   (the seed)
     key_k = sha256(key_{k-1} | start, end, layer layout, payload CRC32Cs | token ids of the block)
 
 so a key covers the model identity, the whole token prefix up to the block's end (through the
 chain), which rows of each layer the block holds (a sliding-window layer may hold fewer), and the
-CRC32C of every payload. Two sessions name the same block only when their rows are bit-identical:
+CRC32C of every payload. The **namespace** (the store passes the part of the session id before its
+first "/", e.g. the HTTP server's tenant; "" adds nothing to the seed) keeps the chains of two
+namespaces apart, so a namespace cannot learn whether another stored a prefix (a save that finds
+its blocks stored is faster, and the store lists them). Two sessions name the same block only when
+they share a namespace and their rows are bit-identical:
 rows computed for the same tokens in different batches can differ in the last bits, and such
 sessions simply keep their own blocks. So a session resumed from shared blocks holds exactly the
 rows it saved, and stays exact; the sharing comes from the prefix cache, which hands the same rows
@@ -100,10 +104,15 @@ class SegmentMemory:
         self.close()
 
 
-def chain_seed(identity: str, format: dict, geometry: dict) -> str:
-    """The key a session's first block chains from."""
+def chain_seed(identity: str, format: dict, geometry: dict, namespace: str = "") -> str:
+    """The key a session's first block chains from. The empty namespace's seed is the one stores
+    used before namespaces; another appends NUL and the namespace (JSON has no raw NUL, so no two
+    namespaces give the same bytes)."""
     shape = json.dumps([format, geometry], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(b"muxworker-block-1\0" + identity.encode() + b"\0" + shape.encode()).hexdigest()
+    seed = b"muxworker-block-1\0" + identity.encode() + b"\0" + shape.encode()
+    if namespace:
+        seed += b"\0" + namespace.encode()
+    return hashlib.sha256(seed).hexdigest()
 
 
 def split_segment(
@@ -113,12 +122,14 @@ def split_segment(
     session_id: str,
     block_tokens: int,
     parent_key: str | None,
+    namespace: str = "",
 ) -> list[Piece]:
     """Cut the verified segment ``header`` (mapped as ``memory``) into pieces: blocks of
     ``block_tokens`` positions where the segment starts on a block boundary (``parent_key``: the
-    key of the block before it, None at position 0), up to :data:`MAX_BLOCKS`, then one tail
-    piece for the rest (``session_id``'s own segment). A segment that starts inside a block is
-    one tail piece. Every piece's payloads are views of ``memory``."""
+    key of the block before it, None at position 0, where the chain starts from ``namespace``'s
+    seed), up to :data:`MAX_BLOCKS`, then one tail piece for the rest (``session_id``'s own
+    segment). A segment that starts inside a block is one tail piece. Every piece's payloads are
+    views of ``memory``."""
     start, end = header.start, header.end
     cuts = [start]
     limit = MAX_BLOCKS * block_tokens if block_tokens else 0
@@ -129,7 +140,9 @@ def split_segment(
             cuts.append(a)
     if cuts[-1] != end:
         cuts.append(end)
-    key = parent_key if parent_key is not None else chain_seed(header.identity, header.format, header.geometry)
+    key = parent_key
+    if key is None:
+        key = chain_seed(header.identity, header.format, header.geometry, namespace)
     pieces = []
     for a, b in zip(cuts, cuts[1:]):
         is_block = bool(block_tokens) and b - a == block_tokens and a % block_tokens == 0 and b <= limit
