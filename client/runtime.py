@@ -69,6 +69,7 @@ from .errors import (
     WorkerDiedError,
 )
 from .params import GenerationResult, RuntimeGenerationResult, params_to_wire
+from .sessions import SaveResult
 
 __all__ = ["SessionRuntime", "RuntimeStream", "RuntimeGenerationResult", "EvictionFailed"]
 
@@ -660,20 +661,20 @@ class SessionRuntime:
 
         return await self._call(session_id, body)
 
-    async def save_session(self, session_id: str, *, outside_capacity: bool = False) -> None:
+    async def save_session(self, session_id: str, *, outside_capacity: bool = False) -> SaveResult | None:
         """Save the session to the client's store after every earlier operation on it (a running
-        generation included). For an evicted session there is nothing to do: its file already holds
-        its committed state (Unsaveable if it had none). ``outside_capacity=True``: not admitted
-        against the capacity, for saves a server makes on its own (after each turn), which must
-        neither fail for capacity nor take it from clients."""
+        generation included); returns what was written. For an evicted session there is nothing to
+        do (None): its file already holds its committed state (Unsaveable if it had none).
+        ``outside_capacity=True``: not admitted against the capacity, for saves a server makes on
+        its own (after each turn), which must neither fail for capacity nor take it from clients."""
 
-        async def body() -> None:
+        async def body() -> SaveResult | None:
             tracked = self._sessions.get(session_id)
             if tracked is not None and tracked.evicted:
                 if not tracked.has_file:
                     raise Unsaveable(f"session {session_id!r} cannot be saved: empty")
-                return
-            await self.client.save_session(session_id)
+                return None
+            return await self.client.save_session(session_id)
 
         return await self._call(session_id, body, follows_caller=True, outside_capacity=outside_capacity)
 

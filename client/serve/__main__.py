@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 import trio
@@ -27,14 +28,16 @@ from muxworker.worker.models.identity import model_identity_files, worker_config
 from muxworker.worker.models.loader import BUNDLED_GGUF_NAME, ModelLoadError, resolve_model
 from muxworker.worker.options import UsageError, parse_args
 
-from .app import DEFAULT_MAX_REQUEST_BYTES, AppConfig, create_app
+from .app import AppConfig, create_app
 from .metrics import ServerMetrics
+from .policy import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy, startup_problem
 from .process import READY_PREFIX
 from .service import ModelService, SavePolicy, ServiceConfig
 
 log = logging.getLogger("muxworker.serve")
 
 API_KEY_ENV = "MUXWORKER_API_KEY"
+ADMIN_KEY_ENV = "MUXWORKER_ADMIN_KEY"
 # Flags the server sets on the worker itself (the pipes), so a user may not.
 _RESERVED = ("--control-fd", "--reply-fd", "--files-fd", "--heartbeat_ms", "--heartbeat-ms")
 
@@ -60,18 +63,72 @@ def _parser() -> argparse.ArgumentParser:
         f"environment) (default: {default_store_dir()})",
     )
     p.add_argument(
+        "--store-timeout",
+        type=float,
+        default=None,
+        help="seconds an object store may fail to answer before a request gets 503 store_unavailable (default: 30)",
+    )
+    p.add_argument(
+        "--share-prefix-blocks",
+        action="store_true",
+        help="let the store keep one copy of a prompt prefix for every tenant (API key) that sends it; by "
+        "default each tenant's blocks are its own, so a save's timing never tells one tenant what another sent",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         default=[],
         help=f"require Authorization: Bearer KEY on every endpoint but /health; repeat for several tenants "
         f"(each its own sessions and prefix-cache namespace). Also read from ${API_KEY_ENV}",
     )
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        help=f"with --api-key: a key that may read /metrics (server-wide figures no tenant's key reads). "
+        f"Also read from ${ADMIN_KEY_ENV}",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="a Host value to serve besides the bound address (NAME for any port, or NAME:PORT); repeatable. "
+        "Other Host values get 421, so a web page cannot reach the server through DNS rebinding. "
+        "Needed (or --api-key) to bind a non-loopback address",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="a web origin (https://app.example, or *) whose pages may call the server; repeatable. "
+        "Other origins get 403",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     p.add_argument(
         "--save",
         choices=[p.value for p in SavePolicy],
         default=SavePolicy.TURN.value,
-        help="turn: save a session after each turn (default); evict: only on eviction and shutdown",
+        help="turn: save a session in the background after each turn (default); sync: save each turn before "
+        "answering it; evict: only on eviction and shutdown",
+    )
+    p.add_argument(
+        "--max-sessions-per-tenant",
+        type=int,
+        default=None,
+        help="named sessions (live or stored) one API key may have; more get 429 (default: no limit)",
+    )
+    p.add_argument(
+        "--max-store-bytes-per-tenant",
+        type=int,
+        default=None,
+        help="store bytes one API key's sessions may take; turns beyond it get 507 (default: no limit)",
+    )
+    p.add_argument(
+        "--collect-interval",
+        type=float,
+        default=3600.0,
+        help="seconds between collections of store files no session names, e.g. left by a killed save "
+        "(0: never; default: %(default)s)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -103,13 +160,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(args: argparse.Namespace, worker_command: list[str], store: StoreBinding, keys: tuple[str, ...]) -> int:
+def http_policy(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> HttpPolicy:
+    """The refusals of a server started with ``args`` (keys from the flags and the environment);
+    a Ray replica builds the same from the server flags it passes on. ValueError names a bad flag."""
+    keys = tuple(args.api_key) + ((environ[API_KEY_ENV],) if environ.get(API_KEY_ENV) else ())
+    admin = tuple(args.admin_key) + ((environ[ADMIN_KEY_ENV],) if environ.get(ADMIN_KEY_ENV) else ())
+    if any(not k.strip() or k != k.strip() for k in keys + admin):
+        raise ValueError("an API key must be non-empty, without surrounding spaces")
+    if admin and not keys:
+        raise ValueError("--admin-key needs --api-key: without tenant keys every caller reads /metrics")
+    return HttpPolicy(
+        api_keys=keys,
+        admin_keys=admin,
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=tuple(args.allowed_host),
+        cors_origins=tuple(args.cors_origin),
+    )
+
+
+async def _run(args: argparse.Namespace, worker_command: list[str], store: StoreBinding, policy: HttpPolicy) -> int:
     metrics = ServerMetrics()
     service = ModelService(
         worker_command,
         store,
         metrics,
-        ServiceConfig(save_policy=SavePolicy(args.save), max_concurrent_requests=args.max_concurrent_requests),
+        ServiceConfig(
+            save_policy=SavePolicy(args.save),
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_sessions_per_tenant=args.max_sessions_per_tenant,
+            max_store_bytes_per_tenant=args.max_store_bytes_per_tenant,
+            collect_interval_s=args.collect_interval,
+        ),
     )
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -122,9 +203,7 @@ async def _run(args: argparse.Namespace, worker_command: list[str], store: Store
         app = create_app(
             service,
             metrics,
-            AppConfig(
-                name, api_keys=keys, max_request_bytes=args.max_request_bytes, internal_token=args.internal_token
-            ),
+            AppConfig(name, policy=policy, internal_token=args.internal_token),
         )
         config = Config()
         config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
@@ -151,9 +230,14 @@ async def _run(args: argparse.Namespace, worker_command: list[str], store: Store
             http.start_soon(watch_signals)
             if args.lifeline_fd is not None:
                 http.start_soon(watch_lifeline, args.lifeline_fd)
-            binds = await http.start(
-                lambda task_status: serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
-            )
+
+            async def serve_until_stopped(task_status: trio.TaskStatus[list[str]]) -> None:
+                await serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
+                # Whichever watcher stopped it, the other must not hold the nursery open (a
+                # lifeline EOF left the signal watcher waiting: nothing was saved, nothing exited).
+                http.cancel_scope.cancel()
+
+            binds = await http.start(serve_until_stopped)
             # One line on stdout, for people and for scripts waiting for the port (tests parse it).
             print(f"{READY_PREFIX} {name} on {' '.join(binds)}", flush=True)
         # serve() has returned: the signal came and its connections have closed (graceful_timeout).
@@ -176,6 +260,14 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         return f"--graceful-timeout must be >= 0, got {args.graceful_timeout}"
     if not 1 <= args.replicas <= 1024:
         return f"--replicas must be in 1..1024, got {args.replicas}"
+    for name in ("max_sessions_per_tenant", "max_store_bytes_per_tenant"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {value}"
+    if args.store_timeout is not None and not 0 < args.store_timeout <= 3600:
+        return f"--store-timeout must be in (0, 3600] seconds, got {args.store_timeout}"
+    if not args.collect_interval >= 0:
+        return f"--collect-interval must be >= 0, got {args.collect_interval}"
     if args.ray_num_cpus is not None and args.ray_num_cpus < 1:
         return f"--ray-num-cpus must be at least 1, got {args.ray_num_cpus}"
     if args.port:
@@ -241,13 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"muxworker serve: {problem}", file=sys.stderr)
         return 2
+    try:
+        policy = http_policy(args)
+    except ValueError as exc:
+        print(f"muxworker serve: {exc}", file=sys.stderr)
+        return 2
+    problem = startup_problem(args.host, policy)
+    if problem is not None:
+        print(f"muxworker serve: {problem}", file=sys.stderr)
+        return 2
     if args.ray:
         return _run_ray(args, argv if argv is not None else sys.argv[1:])
-    keys = tuple(args.api_key) + ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
-    if any(not k.strip() or k != k.strip() for k in keys):
-        print("muxworker serve: an API key must be non-empty, without surrounding spaces", file=sys.stderr)
-        return 2
-    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not policy.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     try:
         model_dir = resolve_model(args.model, progress=sys.stderr)
@@ -274,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                     draft=options.draft,
                     n_draft=options.config.n_draft,
                 ),
+                share_blocks_across_namespaces=args.share_prefix_blocks,
+                timeout=args.store_timeout,
             )
         )
     except (MuxError, OSError, ValueError) as exc:
@@ -284,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     # which saves the sessions before it closes the worker.
     command[command.index("muxworker.worker")] = "muxworker.chat._worker"
     try:
-        return trio.run(_run, args, command, store, keys)
+        return trio.run(_run, args, command, store, policy)
     except KeyboardInterrupt:
         return 130
 

@@ -15,16 +15,17 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from muxworker.client.checkpoint import CheckpointNotFound
 from muxworker.client.errors import MuxError
@@ -32,22 +33,23 @@ from muxworker.client.runtime import RuntimeStream
 
 from . import openai_api as oa
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .service import ModelService, Tenant, internal_id, session_object
+from .policy import HttpPolicy
+from .service import ModelService, SavePolicy, Tenant, internal_id, session_object
 
-__all__ = ["AppConfig", "SESSION_HEADER", "create_app", "read_body"]
+__all__ = ["AppConfig", "SESSION_HEADER", "SAVE_ERROR_HEADER", "create_app", "read_body"]
 
 log = logging.getLogger("muxworker.serve")
 
 SESSION_HEADER = "x-session-id"
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: On a turn of a session whose last save failed: that failure (docs/SERVER.md, "Saving").
+SAVE_ERROR_HEADER = "x-muxworker-save-error"
 BODY_TIMEOUT_S = 30.0  # a request body dripping in slower than this holds no connection longer
 
 
 @dataclass(frozen=True)
 class AppConfig:
     served_model_name: str
-    api_keys: tuple[str, ...] = ()  # empty: no authentication (bind 127.0.0.1 only)
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    policy: HttpPolicy = field(default_factory=HttpPolicy)  # keys, Host, Origin, body limits
     internal_token: str | None = None  # enables GET /v1/internal/routing for this token alone (Ray replicas)
 
 
@@ -63,32 +65,57 @@ class _Guard:
     """Authentication and request accounting shared by every endpoint."""
 
     def __init__(self, config: AppConfig, metrics: ServerMetrics) -> None:
-        self.config = config
+        self.policy = config.policy
         self.metrics = metrics
-        self._keys = [k.encode() for k in config.api_keys]
 
     def tenant(self, headers: Any) -> Tenant:
-        """The caller's tenant; APIError 401 when keys are configured and the bearer is not one."""
-        if not self._keys:
-            return Tenant.of_key(None)
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise oa.APIError(
-                401,
-                "missing API key: send Authorization: Bearer <key>",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-        given = token.strip().encode()
-        # Compare with every key in full, so the time taken does not say which prefix matched.
-        matched = [hmac.compare_digest(given, k) for k in self._keys]
-        if not any(matched):
-            raise oa.APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
-        return Tenant.of_key(token.strip())
+        return self.policy.tenant(headers)
 
     def count(self, endpoint: str, status: int) -> None:
         self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+class _Refuse:
+    """ASGI middleware: what a browser could forge is refused before routing (Host 421, Origin
+    403, a body that is not JSON 415, a Content-Length over the limit 413; :mod:`.policy`),
+    preflights are answered, and responses to an allowed cross-origin page carry CORS headers."""
+
+    def __init__(self, app: ASGIApp, guard: _Guard) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        policy = self.guard.policy
+        err = policy.refusal(scope["method"], headers, scope.get("server"))
+        origin = headers.get("origin")
+        if err is not None:
+            self.guard.count("refused", err.status)
+            if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+                err.headers["Connection"] = "close"  # its body is never read: no pooled connection reuses it
+            await _error_response(err)(scope, receive, send)
+            return
+        if scope["method"] == "OPTIONS" and origin is not None:
+            extra = policy.preflight_headers(origin)
+            if not extra:  # the page's own origin needs no preflight; anything else was refused above
+                extra = [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS")]
+            await send({"type": "http.response.start", "status": 204, "headers": extra})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        cors = policy.cors_headers(origin)
+        if not cors:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
 
 
 def _endpoint(guard: _Guard, name: str, *, auth: bool = True) -> Callable:
@@ -111,16 +138,9 @@ def _endpoint(guard: _Guard, name: str, *, auth: bool = True) -> Callable:
     return wrap
 
 
-async def read_body(receive: Receive, headers: Any, limit: int) -> bytes:
-    """The whole request body, refusing one over ``limit`` bytes (413) before reading it all."""
-    declared = headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise oa.bad_request("Content-Length is not a number", code="invalid_request") from None
-        if size > limit:
-            raise oa.APIError(413, f"the request body has {size} bytes; the limit is {limit}", code="request_too_large")
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body, refusing one over ``limit`` bytes (413) as soon as it is (a
+    declared Content-Length over it was refused before, by :class:`_Refuse`)."""
     parts: list[bytes] = []
     total = 0
     while True:
@@ -130,7 +150,12 @@ async def read_body(receive: Receive, headers: Any, limit: int) -> bytes:
         chunk = message.get("body", b"")
         total += len(chunk)
         if total > limit:
-            raise oa.APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+            raise oa.APIError(
+                413,
+                f"the request body exceeds the limit of {limit} bytes",
+                code="request_too_large",
+                headers={"Connection": "close"},
+            )
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
@@ -164,14 +189,28 @@ class _GenerationEndpoint:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         request = Request(scope, receive)
-        tenant = self.guard.tenant(request.headers)
+        try:
+            tenant = self.guard.tenant(request.headers)  # before the body: a keyless one is never read
+        except oa.APIError as exc:
+            exc.headers["Connection"] = "close"
+            raise
         with trio.move_on_after(BODY_TIMEOUT_S) as body_scope:
-            raw = await read_body(receive, request.headers, self.config.max_request_bytes)
+            raw = await read_body(receive, self.config.policy.max_request_bytes)
         if body_scope.cancelled_caught:
-            raise oa.APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", code="timeout")
+            raise oa.APIError(
+                408,
+                f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s",
+                code="timeout",
+                headers={"Connection": "close"},
+            )
         body = oa.parse_json(raw)
         served = self.config.served_model_name
-        parsed = oa.parse_chat_request(body, served) if self.chat else oa.parse_completion_request(body, served)
+        if self.chat:
+            parsed: oa.ChatRequest | oa.CompletionRequest = oa.parse_chat_request(
+                body, served, self.service.max_messages()
+            )
+        else:
+            parsed = oa.parse_completion_request(body, served)
         header_sid = request.headers.get(SESSION_HEADER)
         if header_sid is not None:
             oa.check_session_id(header_sid, "the X-Session-Id header")
@@ -186,12 +225,13 @@ class _GenerationEndpoint:
             else:
                 prompt = parsed.prompt
             if public_sid is not None:
+                await self.service.check_store_quota(tenant)
                 sid = internal_id(tenant, public_sid)
-                await self.service.ensure_session(sid)
+                await self.service.ensure_session(sid, tenant)
                 runtime = None
             else:
                 sid, runtime = await self.service.open_ephemeral(tenant)
-        except MuxError as exc:
+        except Exception as exc:
             raise oa.error_from_mux(exc) from None
         try:
             stream, runtime = self.service.generate(sid, prompt, parsed.params, tenant.cache_salt(parsed.cache_salt))
@@ -199,6 +239,7 @@ class _GenerationEndpoint:
             if runtime is not None:  # the stateless session opened for it
                 self.service.release_ephemeral(runtime, sid)
             raise oa.error_from_mux(exc) from None
+        turn = _Turn(self.service, runtime, sid, public_sid, stream)
         self.metrics.in_flight.inc()
         try:
             error: oa.APIError | None = None
@@ -207,9 +248,9 @@ class _GenerationEndpoint:
                 nursery.start_soon(self._watch_disconnect, receive, stream)
                 try:
                     if parsed.stream:
-                        status = await self._stream(send, stream, parsed, public_sid, t0)
+                        status = await self._stream(send, turn, parsed, t0)
                     else:
-                        status = await self._complete(scope, receive, send, stream, parsed, public_sid, t0)
+                        status = await self._complete(scope, receive, send, turn, parsed, t0)
                 except oa.APIError as exc:
                     error = exc  # raised outside the nursery, so not inside an exception group
                 finally:
@@ -224,7 +265,7 @@ class _GenerationEndpoint:
             if public_sid is None:
                 self.service.release_ephemeral(runtime, sid)
             else:
-                self.service.after_turn(runtime, sid)
+                self.service.after_turn(runtime, sid, turn.result, saved=turn.saved)
 
     async def _watch_disconnect(self, receive: Receive, stream: RuntimeStream) -> None:
         while True:
@@ -240,9 +281,8 @@ class _GenerationEndpoint:
         self.metrics.cached_tokens.inc(stream_result.reused_prompt_tokens)
         self.metrics.completion_tokens.inc(stream_result.completion_tokens)
 
-    async def _complete(
-        self, scope: Scope, receive: Receive, send: Send, stream: RuntimeStream, parsed: Any, sid: str | None, t0: float
-    ) -> int:
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
+        stream, sid = turn.stream, turn.public_sid
         parts: list[str] = []
         try:
             async for text in stream:
@@ -255,13 +295,15 @@ class _GenerationEndpoint:
         self._account(result)
         if result.finish_reason == "cancelled":
             return 499  # nobody to answer
+        session = await turn.settle(result)
         build = oa.chat_completion if self.chat else oa.text_completion
-        body = build(oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, "".join(parts), result, sid)
-        headers = {"X-Session-Id": sid} if sid is not None else None
-        await _json(body, 200, headers)(scope, receive, send)
+        rid = oa.new_id("chatcmpl" if self.chat else "cmpl")
+        body = build(rid, parsed.model, "".join(parts), result, sid, session)
+        await _json(body, 200, turn.headers())(scope, receive, send)
         return 200
 
-    async def _stream(self, send: Send, stream: RuntimeStream, parsed: Any, sid: str | None, t0: float) -> int:
+    async def _stream(self, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
+        stream = turn.stream
         # The first delta (or the end) before the headers: an error at admission or prefill
         # (context overflow, capacity, a resume that fails) still gets its own HTTP status.
         iterator = stream.__aiter__()
@@ -278,8 +320,7 @@ class _GenerationEndpoint:
             self.metrics.ttft.observe(now - t0)
         writer = oa.ChunkWriter(oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat)
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        if sid is not None:
-            headers.append((b"x-session-id", sid.encode()))
+        headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if self.chat:
             await _body(send, writer.role())
@@ -303,19 +344,66 @@ class _GenerationEndpoint:
         self._account(result)
         if result.finish_reason == "cancelled":
             return 499
-        await _body(send, writer.finish(result))
+        await _body(send, writer.finish(result, await turn.settle(result)))
         if parsed.include_usage:
             await _body(send, writer.usage(result))
         await _body(send, oa.DONE, more=False)
         return 200
 
 
+class _Turn:
+    """One generation's session bookkeeping: the save error its session carried in (a header
+    and a field of the final chunk or body), and, with ``--save sync``, the save that makes the
+    turn durable before its final chunk."""
+
+    def __init__(
+        self, service: ModelService, runtime: Any, sid: str, public_sid: str | None, stream: RuntimeStream
+    ) -> None:
+        self.service = service
+        self.runtime = runtime
+        self.sid = sid
+        self.public_sid = public_sid
+        self.stream = stream
+        self.result: Any = None  # set once the generation ended well enough to answer
+        self.saved = False
+        record = service.record(sid) if public_sid is not None else None
+        self.carried_error = record.save_error if record is not None else None
+
+    def headers(self) -> dict[str, str]:
+        out = {}
+        if self.public_sid is not None:
+            out["X-Session-Id"] = self.public_sid
+        if self.carried_error is not None:
+            out[SAVE_ERROR_HEADER] = _header_text(self.carried_error)
+        return out
+
+    async def settle(self, result: Any) -> dict[str, Any] | None:
+        """The turn's ``session`` field (None for a stateless request), after its synchronous
+        save under ``--save sync``."""
+        self.result = result
+        if self.public_sid is None:
+            return None
+        error = self.carried_error
+        tokens = None
+        if self.service.config.save_policy is SavePolicy.SYNC:
+            with trio.CancelScope(shield=True):  # a save begun is finished, even if the client leaves
+                outcome = await self.service.save_turn(self.runtime, self.sid, result)
+            self.saved, tokens = outcome.saved, outcome.tokens
+            error = outcome.error if not outcome.saved else None
+        return {"id": self.public_sid, "durable": self.saved, "durable_tokens": tokens, "save_error": error}
+
+
+def _header_text(text: str) -> str:
+    """``text`` as a header value: printable ASCII, bounded."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:300]
+
+
 async def _body(send: Send, data: bytes, more: bool = True) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig) -> Starlette:
-    """The server's ASGI app over ``service``."""
+def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig) -> ASGIApp:
+    """The server's ASGI app over ``service``, behind the refusals of :class:`_Refuse`."""
     guard = _Guard(config, metrics)
     started = int(time.time())
 
@@ -324,9 +412,13 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
 
     @_endpoint(guard, "health", auth=False)
     async def health(request: Request, tenant: Tenant) -> Response:
+        # A failing store does not make the server unhealthy (restarting it would not help, and
+        # every replica shares the store): it says "degraded" and what failed.
+        store = service.store_health()
         if service.ready:
-            return _json({"status": "ok"})
-        return _json({"status": "unavailable", "reason": service.last_error or "starting"}, 503, {"Retry-After": "1"})
+            return _json({"status": "ok" if store["status"] == "ok" else "degraded", "store": store})
+        body = {"status": "unavailable", "reason": service.last_error or "starting", "store": store}
+        return _json(body, 503, {"Retry-After": "1"})
 
     @_endpoint(guard, "routing", auth=False)
     async def routing(request: Request, tenant: Tenant) -> Response:
@@ -336,8 +428,9 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
             raise oa.APIError(401, "invalid internal token", type="authentication_error", code="invalid_api_key")
         return _json(service.routing_stats())
 
-    @_endpoint(guard, "metrics")
+    @_endpoint(guard, "metrics", auth=False)
     async def metrics_endpoint(request: Request, tenant: Tenant) -> Response:
+        config.policy.check_admin(request.headers)  # server-wide figures: not for a tenant's key
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @_endpoint(guard, "models")
@@ -370,7 +463,7 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
         except CheckpointNotFound:
             if state is None:
                 raise oa.APIError(404, f"no session {public!r}", code="session_not_found") from None
-        return _json(session_object(tenant, sid, state, info))
+        return _json(session_object(tenant, sid, state, info, service.record(sid)))
 
     @_endpoint(guard, "session_delete")
     async def delete_session(request: Request, tenant: Tenant) -> Response:
@@ -386,7 +479,7 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
             info = await service.save_now(sid)
         except CheckpointNotFound:
             raise oa.APIError(404, f"no session {public!r}", code="session_not_found") from None
-        return _json(session_object(tenant, sid, service.session_state(sid), info))
+        return _json(session_object(tenant, sid, service.session_state(sid), info, service.record(sid)))
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -408,4 +501,5 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}/save", save_session, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    return _Refuse(app, guard)

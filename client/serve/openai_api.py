@@ -31,8 +31,11 @@ from muxworker.client.errors import (
     WorkerDiedError,
 )
 from muxworker.client.params import GenerationParams, GenerationResult
+from muxworker.client.store import StoreUnavailable
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
+
+from .service import TenantQuotaExceeded
 
 __all__ = [
     "APIError",
@@ -125,6 +128,8 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 #: Seconds a client is told to wait after a 429 or a 503 (Retry-After).
 RETRY_AFTER_S = 1
+#: ... and after a 503 because the session store did not answer (an outage lasts longer).
+STORE_RETRY_AFTER_S = 5
 
 
 def error_from_mux(exc: BaseException) -> APIError:
@@ -146,6 +151,19 @@ def error_from_mux(exc: BaseException) -> APIError:
         return APIError(404, str(exc), code="session_not_found")
     if isinstance(exc, Unsaveable):
         return APIError(409, str(exc), code="unsaveable")
+    if isinstance(exc, StoreUnavailable):
+        # Before CheckpointError: nothing says the session is damaged, so nothing invites deleting it.
+        return APIError(
+            503,
+            f"the session store is unavailable: {exc}. The session is kept; retry later",
+            type="server_error",
+            code="store_unavailable",
+            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+        )
+    if isinstance(exc, TenantQuotaExceeded):
+        if exc.kind == "bytes":
+            return APIError(507, str(exc), type="insufficient_storage", code="tenant_storage_limit")
+        return APIError(429, str(exc), type="rate_limit_error", code="tenant_session_limit")
     if isinstance(exc, CheckpointError):
         # 422, not 409: the SDKs retry a 409, and a damaged or foreign file stays so.
         return APIError(
@@ -336,8 +354,10 @@ def _content_text(content: Any, index: int) -> str:
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ChatRequest:
-    """A ``POST /v1/chat/completions`` body; raises :class:`APIError` (400) naming the bad field."""
+def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages: int | None = None) -> ChatRequest:
+    """A ``POST /v1/chat/completions`` body; raises :class:`APIError` (400) naming the bad field.
+    ``max_messages``: more messages than the context can hold (each renders to at least one
+    token), refused before any is looked at."""
     _unknown(body, _CHAT_FIELDS)
     for name in ("logprobs",):
         _absent_or(body, name, False)
@@ -353,6 +373,13 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ChatReques
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", param="messages")
+    if max_messages is not None and len(raw) > max_messages:
+        raise APIError(
+            400,
+            f"{len(raw)} messages cannot fit this model's context: at most {max_messages} can",
+            code="context_length_exceeded",
+            param="messages",
+        )
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
@@ -416,8 +443,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _completion(kind: str, choice: dict, rid: str, model: str, result: GenerationResult, sid: str | None) -> dict:
-    body = {
+def _completion(
+    kind: str, choice: dict, rid: str, model: str, result: GenerationResult, sid: str | None, session: dict | None
+) -> dict:
+    body: dict[str, Any] = {
         "id": rid,
         "object": kind,
         "created": int(time.time()),
@@ -427,16 +456,23 @@ def _completion(kind: str, choice: dict, rid: str, model: str, result: Generatio
     }
     if sid is not None:
         body["session_id"] = sid
+    if session is not None:
+        body["session"] = session
     return body
 
 
-def chat_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
+def chat_completion(
+    rid: str, model: str, text: str, result: GenerationResult, session_id: str | None, session: dict | None = None
+) -> dict:
+    """A chat completion; ``session``: the named session's durability (docs/SERVER.md)."""
     message = {"role": "assistant", "content": text}
-    return _completion("chat.completion", {"message": message}, rid, model, result, session_id)
+    return _completion("chat.completion", {"message": message}, rid, model, result, session_id, session)
 
 
-def text_completion(rid: str, model: str, text: str, result: GenerationResult, session_id: str | None) -> dict:
-    return _completion("text_completion", {"text": text}, rid, model, result, session_id)
+def text_completion(
+    rid: str, model: str, text: str, result: GenerationResult, session_id: str | None, session: dict | None = None
+) -> dict:
+    return _completion("text_completion", {"text": text}, rid, model, result, session_id, session)
 
 
 class ChunkWriter:
@@ -470,13 +506,17 @@ class ChunkWriter:
     def delta(self, text: str) -> bytes:
         return (self._open + json.dumps(text) + self._close).encode()
 
-    def finish(self, result: GenerationResult) -> bytes:
+    def finish(self, result: GenerationResult, session: dict | None = None) -> bytes:
+        """The chunk with the finish reason; ``session``: the named session's durability."""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason(result)}
         if self.chat:
             choice["delta"] = {}
         else:
             choice["text"] = ""
-        return self._event({**self._head, "choices": [choice]})
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if session is not None:
+            chunk["session"] = session
+        return self._event(chunk)
 
     def usage(self, result: GenerationResult) -> bytes:
         return self._event({**self._head, "choices": [], "usage": usage(result)})

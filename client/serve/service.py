@@ -17,29 +17,46 @@ import enum
 import hashlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
 
 from muxworker.client.checkpoint import CheckpointNotFound
 from muxworker.client.client import MultiplexedWorkerClient, spawn_multiplexed_worker
-from muxworker.client.errors import ClientClosedError, NotReady, SessionExists, Unsaveable, WorkerDiedError
-from muxworker.client.params import GenerationParams
+from muxworker.client.errors import (
+    ClientClosedError,
+    NotReady,
+    SessionExists,
+    Unsaveable,
+    WorkerDiedError,
+)
+from muxworker.client.params import GenerationParams, GenerationResult
 from muxworker.client.runtime import RuntimeStream, SessionRuntime
-from muxworker.client.store import SessionInfo, StoreBinding
+from muxworker.client.store import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
 
 from .metrics import ServerMetrics
 
-__all__ = ["SavePolicy", "ServiceConfig", "ModelService", "Tenant", "internal_id"]
+__all__ = [
+    "ModelService",
+    "SaveOutcome",
+    "SavePolicy",
+    "ServiceConfig",
+    "SessionRecord",
+    "Tenant",
+    "TenantQuotaExceeded",
+    "internal_id",
+]
 
 log = logging.getLogger("muxworker.serve")
 
 
 class SavePolicy(enum.Enum):
-    TURN = "turn"  # save after every completed turn (and on eviction and shutdown)
+    TURN = "turn"  # save in the background after every completed turn (and on eviction and shutdown)
+    SYNC = "sync"  # save after every turn before answering it: a reply means its state is durable
     EVICT = "evict"  # save only on eviction and shutdown (fewer writes; a crash loses unsaved turns)
 
 
@@ -50,6 +67,63 @@ class ServiceConfig:
     restart_backoff_s: float = 1.0  # first wait before restarting a dead worker; doubles to 30 s
     shutdown_timeout_s: float = 120.0  # bound on saving live sessions at shutdown
     startup_timeout_s: float = 600.0  # a first start may convert a GGUF
+    max_sessions_per_tenant: int | None = None  # named sessions (live or stored) a tenant may have
+    max_store_bytes_per_tenant: int | None = None  # store bytes a tenant's sessions may take
+    #: How often the server collects what no saved session names (segments of killed saves), and
+    #: the age below which nothing is collected (a save in progress is younger). 0: never.
+    collect_interval_s: float = 3600.0
+    collect_older_than_s: float = 3600.0
+
+
+class TenantQuotaExceeded(Exception):
+    """A tenant reached its limit on sessions (``kind="sessions"``) or store bytes (``"bytes"``)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class SessionRecord:
+    """What the server knows of one named session beyond the runtime: its length after its last
+    turn, what the store held after the last save, and the last save's failure (until a save
+    succeeds). Owner: the server's trio thread."""
+
+    live_tokens: int = 0
+    saved_tokens: int | None = None
+    save_error: str | None = None
+    save_failed_at: float | None = None
+    created: bool = False  # opened empty by this server and no turn has committed yet
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "live_tokens": self.live_tokens,
+            "durable_tokens": self.saved_tokens,
+            "last_save_error": self.save_error,
+            "last_save_failed_at": None if self.save_failed_at is None else math.floor(self.save_failed_at),
+        }
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """How a save the server made for a turn ended: ``saved`` and the tokens the store now holds,
+    or the error."""
+
+    saved: bool
+    tokens: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Usage:
+    """A tenant's named sessions and the store bytes of each, from a listing (see
+    ``ModelService._tenant_usage``) and this server's saves since."""
+
+    sessions: dict[str, int] = field(default_factory=dict)  # internal id -> store bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sessions.values())
 
 
 @dataclass(frozen=True)
@@ -108,6 +182,12 @@ class ModelService:
         self._restarting = trio.CancelScope()  # around the supervisor's restarts; shutdown() cancels it
         self.restarts = 0
         self.last_error: str | None = None
+        self._records: dict[str, SessionRecord] = {}  # named sessions this server has served
+        self.store_error: str | None = None  # the store's last failure, until an operation succeeds
+        self.store_error_since: float | None = None
+        self._usage: dict[str, _Usage] | None = None  # per tenant, from a store listing (quotas only)
+        self._usage_at = -math.inf
+        self._message_tokens = 1  # the fewest tokens one chat message renders to (measured at start)
         metrics.bind_sessions(lambda: self._runtime.session_stats if self._runtime is not None else {})
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -134,6 +214,8 @@ class ModelService:
                 nursery.cancel_scope.cancel()
             else:
                 task_status.started()
+                if self.config.collect_interval_s > 0:
+                    nursery.start_soon(self._collect_loop)
                 await self._supervise(nursery)
         if startup_error is not None:
             raise startup_error
@@ -202,6 +284,11 @@ class ModelService:
             with trio.CancelScope(shield=True):
                 await client.close()
             raise
+        try:
+            self._message_tokens = await _tokens_per_message(client)
+        except Exception as exc:  # a template that cannot render empty messages: bound by count only
+            log.info("measuring a chat message's tokens: %s: %s", type(exc).__name__, exc)
+            self._message_tokens = 1
         self._client, self._runtime = client, runtime
         self._dirty.clear()  # what the dead worker held unsaved is gone with it
         self._ready.set()
@@ -271,10 +358,11 @@ class ModelService:
             "worker_pid": client.pid,
         }
 
-    async def ensure_session(self, sid: str) -> bool:
+    async def ensure_session(self, sid: str, tenant: Tenant | None = None) -> bool:
         """Make ``sid`` usable: live or evicted already, else resumed from the store when saved
-        there, else opened empty. Returns whether it was resumed now. Concurrent first requests
-        for one session wait for each other here, so it is resumed (or opened) once."""
+        there, else opened empty (within ``tenant``'s session quota). Returns whether it was
+        resumed now. Concurrent first requests for one session wait for each other here, so it is
+        resumed (or opened) once."""
         _, runtime = self._live()
         if runtime.session_state(sid) is not None:
             return False
@@ -287,14 +375,17 @@ class ModelService:
                 if runtime.session_state(sid) is not None:
                     return False
                 try:
-                    await runtime.resume_session(sid)
+                    await self._store_call(runtime.resume_session(sid))
                 except SessionExists:
                     return False  # another path made it usable meanwhile
                 except CheckpointNotFound:
+                    if tenant is not None:
+                        await self._check_session_quota(tenant, sid)
                     try:
                         await runtime.open_session(sid)
                     except SessionExists:
-                        pass
+                        return False
+                    self._records[sid] = SessionRecord(created=True)
                     return False
                 self.metrics.resumes.inc()
                 return True
@@ -316,39 +407,87 @@ class ModelService:
         the response does not wait). Its history becomes a prefix-cache entry of its namespace.
         Nothing to do if ``runtime`` (the one that served it) is gone with its worker."""
         if runtime is self._runtime:
-            self._spawn(self._close_ephemeral, runtime, sid)
+            self._spawn(self._close_quietly, runtime, sid)
 
-    async def _close_ephemeral(self, runtime: SessionRuntime, sid: str) -> None:
+    async def _close_quietly(self, runtime: SessionRuntime, sid: str) -> None:
         try:
             await runtime.close_session(sid)  # never refused for capacity
         except Exception as exc:  # the worker died meanwhile: nothing is left to close
             log.info("closing %s: %s: %s", sid, type(exc).__name__, exc)
 
-    def after_turn(self, runtime: SessionRuntime, sid: str) -> None:
-        """A turn of ``sid`` settled on ``runtime``: save it now (in the background) or mark it
-        for later. Nothing to do if that runtime is gone with its worker (the new one resumes the
-        session from what the store holds)."""
+    def record(self, sid: str) -> SessionRecord | None:
+        return self._records.get(sid)
+
+    def after_turn(self, runtime: SessionRuntime, sid: str, result: GenerationResult | None, *, saved: bool) -> None:
+        """A turn of ``sid`` settled on ``runtime`` (``result`` None: it failed): save it now (in
+        the background) or mark it for later; ``saved``: the turn's own synchronous save already
+        made it durable. A session this server opened whose first turn committed nothing is
+        closed, so a failed first request leaves nothing tracked. Nothing to do if that runtime is
+        gone with its worker (the new one resumes the session from what the store holds)."""
         if runtime is not self._runtime:
             return
+        record = self._note_turn(sid, result)
+        if record.created:
+            if result is None or not result.committed_tokens:
+                self._records.pop(sid, None)
+                if self._usage is not None:
+                    self._usage.get(sid.split("/", 1)[0], _Usage()).sessions.pop(sid, None)
+                self._spawn(self._close_quietly, runtime, sid)
+                return
+            record.created = False
+        if saved:
+            return
         self._dirty.add(sid)
-        if self.config.save_policy is SavePolicy.TURN:
+        # Under --save sync a turn gets here unsaved only when it was cut short (a disconnect):
+        # it is saved in the background, as with --save turn.
+        if self.config.save_policy is not SavePolicy.EVICT:
             self._spawn(self._save, runtime, sid)
 
+    def _note_turn(self, sid: str, result: GenerationResult | None) -> SessionRecord:
+        record = self._records.setdefault(sid, SessionRecord())
+        if result is not None and (result.committed_tokens or result.prompt_tokens):
+            # Positions with KV rows, as a save counts them: the last generated token's row is
+            # computed by the next turn, which resends it.
+            record.live_tokens = result.prompt_tokens + max(0, result.committed_tokens - 1)
+        return record
+
+    async def save_turn(self, runtime: SessionRuntime, sid: str, result: GenerationResult) -> SaveOutcome:
+        """``--save sync``: save the turn that just settled (``result``) before it is answered."""
+        if runtime is not self._runtime:
+            return SaveOutcome(False, error="the worker died before the turn was saved")
+        self._note_turn(sid, result)
+        await self._save(runtime, sid)
+        record = self._records.get(sid)
+        if record is None or record.save_error is not None or sid in self._dirty:
+            return SaveOutcome(False, error=record.save_error if record is not None else None)
+        return SaveOutcome(True, tokens=record.saved_tokens)
+
     async def _save(self, runtime: SessionRuntime, sid: str) -> bool:
+        record = self._records.setdefault(sid, SessionRecord())
         try:
             # Outside the capacity: a save the server makes on its own never fails under load
             # and never takes capacity from clients.
-            await runtime.save_session(sid, outside_capacity=True)
+            written = await self._store_call(runtime.save_session(sid, outside_capacity=True))
         except Unsaveable:
             self.metrics.saves.labels("nothing_to_save").inc()
             self._dirty.discard(sid)
             return False
         except Exception as exc:
             self.metrics.saves.labels("failed").inc()
-            log.error("saving session %s failed: %s: %s", sid, type(exc).__name__, exc)
+            record.save_error = f"{type(exc).__name__}: {exc}"[:500]
+            record.save_failed_at = time.time()
+            log.error("saving session %s failed: %s", sid, record.save_error)
             return False
         self.metrics.saves.labels("ok").inc()
         self._dirty.discard(sid)
+        record.save_error = record.save_failed_at = None
+        if written is not None:
+            record.saved_tokens = written.position
+        if self._quotas:
+            try:
+                await self._note_saved(sid)
+            except Exception as exc:  # the quota's figure stays as listed; the save itself is done
+                log.info("reading %s after its save: %s: %s", sid, type(exc).__name__, exc)
         return True
 
     async def save_now(self, sid: str) -> SessionInfo:
@@ -356,13 +495,17 @@ class ModelService:
         _, runtime = self._live()
         if runtime.session_state(sid) is None:
             return await self.session_info(sid)  # not live: the store already has what there is
-        await runtime.save_session(sid)  # Unsaveable (nothing committed) is the caller's 409
+        await self._store_call(runtime.save_session(sid))  # Unsaveable (nothing committed) is the caller's 409
         self._dirty.discard(sid)
+        record = self._records.setdefault(sid, SessionRecord())
+        record.save_error = record.save_failed_at = None
         self.metrics.saves.labels("ok").inc()
-        return await self.session_info(sid)
+        info = await self.session_info(sid)
+        record.saved_tokens = info.tokens
+        return info
 
     async def session_info(self, sid: str) -> SessionInfo:
-        return await trio.to_thread.run_sync(self.store.info, sid)
+        return await self._store_call(trio.to_thread.run_sync(self.store.info, sid))
 
     def session_state(self, sid: str) -> str | None:
         runtime = self._runtime
@@ -370,18 +513,17 @@ class ModelService:
 
     async def list_sessions(self, tenant: Tenant) -> list[dict[str, Any]]:
         """The tenant's sessions: live or evicted ones, and those only in the store."""
-        stored = await trio.to_thread.run_sync(self.store.list_info)
+        stored = await self._store_call(trio.to_thread.run_sync(self.store.list_info))
         out: dict[str, dict[str, Any]] = {}
         for info in stored:
             if info.session_id.startswith(tenant.prefix):
-                out[info.session_id] = session_object(
-                    tenant, info.session_id, self.session_state(info.session_id), info
-                )
+                sid = info.session_id
+                out[sid] = session_object(tenant, sid, self.session_state(sid), info, self._records.get(sid))
         runtime = self._runtime
         if runtime is not None:
             for sid in runtime.live_sessions():
                 if sid.startswith(tenant.prefix) and sid not in out and not sid[len(tenant.prefix) :].startswith("~"):
-                    out[sid] = session_object(tenant, sid, "live", None)
+                    out[sid] = session_object(tenant, sid, "live", None, self._records.get(sid))
         return [out[k] for k in sorted(out)]
 
     async def delete_session(self, sid: str) -> bool:
@@ -392,9 +534,123 @@ class ModelService:
             await runtime.close_session(sid)
             existed = True
         self._dirty.discard(sid)
-        return await trio.to_thread.run_sync(self.store.delete, sid) or existed
+        self._records.pop(sid, None)
+        if self._usage is not None:
+            self._usage.get(sid.split("/", 1)[0], _Usage()).sessions.pop(sid, None)
+        return await self._store_call(trio.to_thread.run_sync(self.store.delete, sid)) or existed
+
+    # -- the store: failures, quotas, collection ---------------------------------------------------
+
+    async def _store_call(self, call: Any) -> Any:
+        """Await ``call`` (a store operation, or a runtime call that reaches the store) and keep
+        :attr:`store_error` true: set by StoreUnavailable (which propagates), cleared by success."""
+        try:
+            result = await call
+        except StoreUnavailable as exc:
+            if self.store_error is None:
+                self.store_error_since = time.time()
+            self.store_error = f"{type(exc).__name__}: {exc}"[:500]
+            raise
+        if self.store_error is not None:
+            log.info("the session store answers again")
+        self.store_error = self.store_error_since = None
+        return result
+
+    def store_health(self) -> dict[str, Any]:
+        """The store's state for ``/health``: ok, or its last failure and since when."""
+        failing = [r for r in self._records.values() if r.save_error is not None]
+        if self.store_error is None and not failing:
+            return {"status": "ok"}
+        out: dict[str, Any] = {"status": "failing"}
+        if self.store_error is not None:
+            out.update(error=self.store_error, since=math.floor(self.store_error_since or 0))
+        if failing:
+            out["sessions_with_failed_saves"] = len(failing)
+            out["last_save_error"] = max(failing, key=lambda r: r.save_failed_at or 0).save_error
+        return out
+
+    async def _tenant_usage(self, tenant: Tenant) -> _Usage:
+        """The tenant's named sessions and store bytes, from a store listing at most 30 s old
+        (listing reads every manifest, so quotas are checked against a recent one, not a live one)."""
+        if self._usage is None or trio.current_time() - self._usage_at > _USAGE_TTL_S:
+            listing = await self._store_call(trio.to_thread.run_sync(self.store.list_info))
+            usage: dict[str, _Usage] = {}
+            for info in listing:
+                name, _, rest = info.session_id.partition("/")
+                if rest and not rest.startswith("~"):
+                    usage.setdefault(name, _Usage()).sessions[info.session_id] = info.nbytes
+            self._usage, self._usage_at = usage, trio.current_time()
+        return self._usage.setdefault(tenant.name, _Usage())
+
+    @property
+    def _quotas(self) -> bool:
+        return self.config.max_sessions_per_tenant is not None or self.config.max_store_bytes_per_tenant is not None
+
+    async def _note_saved(self, sid: str) -> None:
+        """Keep the quota's figures current after a save of ``sid`` (one manifest read)."""
+        if self._usage is None or "/" not in sid:
+            return
+        info = await trio.to_thread.run_sync(self.store.info, sid)
+        self._usage.setdefault(sid.split("/", 1)[0], _Usage()).sessions[sid] = info.nbytes
+
+    async def _check_session_quota(self, tenant: Tenant, sid: str) -> None:
+        limit = self.config.max_sessions_per_tenant
+        if limit is None:
+            return
+        usage = await self._tenant_usage(tenant)
+        runtime = self._runtime
+        live = set(runtime.live_sessions()) if runtime is not None else set()
+        named = {s for s in live if s.startswith(tenant.prefix) and not s[len(tenant.prefix) :].startswith("~")}
+        count = len(usage.sessions.keys() | named)
+        if count >= limit:
+            raise TenantQuotaExceeded(
+                f"this key already has {count} sessions, its limit is {limit}; DELETE /v1/sessions/{{id}} "
+                "the ones it no longer needs",
+                "sessions",
+            )
+        usage.sessions.setdefault(sid, 0)
+
+    async def check_store_quota(self, tenant: Tenant) -> None:
+        """Before a turn: TenantQuotaExceeded when the tenant's sessions already fill its store quota."""
+        limit = self.config.max_store_bytes_per_tenant
+        if limit is None:
+            return
+        usage = await self._tenant_usage(tenant)
+        if usage.nbytes >= limit:
+            raise TenantQuotaExceeded(
+                f"this key's sessions take {usage.nbytes} bytes of the store, its limit is {limit}; "
+                "DELETE /v1/sessions/{id} the ones it no longer needs",
+                "bytes",
+            )
+
+    async def _collect_loop(self) -> None:
+        """Collect, now and then every ``collect_interval_s``, what no saved session names: the
+        segments of saves a kill -9 cut short, blocks no session names any more. Only files older
+        than ``collect_older_than_s`` go, and the store's collector keeps anything a manifest it
+        cannot read might name."""
+        while not self._stopping:
+            try:
+                names, nbytes = await trio.to_thread.run_sync(
+                    lambda: self.store.clean(older_than=self.config.collect_older_than_s)
+                )
+                if names:
+                    log.info("collected %d unreferenced store files (%d bytes)", len(names), nbytes)
+            except StoreBusy:
+                pass  # a writer holds the store: the next round collects
+            except Exception as exc:
+                log.warning("collecting the store: %s: %s", type(exc).__name__, exc)
+            await trio.sleep(self.config.collect_interval_s)
 
     # -- generation ---------------------------------------------------------------------------------
+
+    def max_messages(self) -> int | None:
+        """The most chat messages a request may carry: more cannot fit the worker's context, as
+        each renders to at least ``_message_tokens`` tokens. Checked before the body's messages
+        are even parsed: rendering runs in the worker, and a body of thousands of messages would
+        hold every session up for its time."""
+        client = self._client
+        limit = client.info.limits.get("max_session_tokens") if client is not None and client.info else None
+        return limit // self._message_tokens if isinstance(limit, int) else None
 
     async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         client, _ = self._live()
@@ -410,9 +666,27 @@ class ModelService:
         return runtime.generate(sid, prompt, replace(params, session_id=sid, cache_salt=cache_salt)), runtime
 
 
-def session_object(tenant: Tenant, sid: str, state: str | None, info: SessionInfo | None) -> dict[str, Any]:
-    """A session as ``/v1/sessions`` shows it."""
+_USAGE_TTL_S = 30.0
+
+
+async def _tokens_per_message(client: MultiplexedWorkerClient) -> int:
+    """The fewest tokens one more (empty) message adds to a rendered chat: a lower bound on a
+    body's prompt from its message count alone."""
+    one = await client.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=False)
+    two = await client.apply_chat_template(
+        [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}], add_generation_prompt=False
+    )
+    return max(1, len(two.token_ids) - len(one.token_ids))
+
+
+def session_object(
+    tenant: Tenant, sid: str, state: str | None, info: SessionInfo | None, record: SessionRecord | None = None
+) -> dict[str, Any]:
+    """A session as ``/v1/sessions`` shows it: its state, what the store holds, and (for sessions
+    this server has served) its live length and the last save's failure."""
     obj: dict[str, Any] = {"id": sid[len(tenant.prefix) :], "object": "session", "state": state or "stored"}
     if info is not None:
         obj.update(saved_tokens=info.tokens, saved_bytes=info.nbytes, saved_at=math.floor(info.saved))
+    if record is not None:
+        obj.update(record.as_dict())
     return obj

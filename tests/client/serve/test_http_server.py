@@ -57,7 +57,7 @@ def test_models_health_and_unknown_routes(server):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert client.models.retrieve(server.model).id == server.model
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "store": {"status": "ok"}}
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.put(server.url + "/v1/chat/completions")
@@ -281,6 +281,8 @@ def test_api_keys_tenants_and_cache_salt(tmp_path):
             r = httpx.get(server.url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(server.url + "/metrics").status_code == 401
+        # A tenant's key does not read server-wide figures (other tenants' traffic).
+        assert httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer key-a"}).status_code == 403
         with pytest.raises(openai.AuthenticationError):
             _client(server, "wrong").models.list()
         a, b = _client(server, "key-a"), _client(server, "key-b")
@@ -381,7 +383,7 @@ def test_restart_resumes_sessions_and_a_dead_worker_is_replaced(tmp_path):
                 time.sleep(0.2)
         assert saw_503
         assert again.usage.prompt_tokens_details.cached_tokens >= 0.9 * again.usage.prompt_tokens
-        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        assert httpx.get(server.url + "/health").json()["status"] == "ok"
         assert _metric(server, "muxworker_worker_restarts_total") == 1
 
 
