@@ -19,6 +19,13 @@
   reaches). A session whose replica is busy, full or gone is resumed from the store by another:
   the client always sends the whole conversation and the worker reuses only the exactly matching
   prefix, so a routing mistake costs recompute time, never a wrong answer, and no lock is needed.
+- **Health.** A replica whose child server has exited, or whose worker has been down past
+  :data:`WORKER_DOWN_GRACE_S` (the server restarts its worker by itself, in seconds), fails Serve's
+  health check, so Serve replaces it and the router stops sending it sessions; until then it
+  answers 503 with Retry-After. A store outage is not a replica's fault and fails no check.
+- **Refusals before the body.** A replica applies the server's own :class:`~.policy.HttpPolicy`
+  (Host against the public address, Origin, Content-Type, Content-Length, the API key) before it
+  reads a byte of the body, then streams the body to its child, counting it against the limit.
 
 Owners: the router's state (a session -> replica table of its own placements) is per proxy
 process; each replica's state is its child server's.
@@ -32,9 +39,12 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from . import openai_api as oa
+from .policy import HttpPolicy, is_wildcard
 
 __all__ = [
     "SessionAffinityRouter",
@@ -44,6 +54,7 @@ __all__ = [
     "deployment",
     "REPLICA_HEADER",
     "WORKER_PID_HEADER",
+    "ReplicaUnhealthy",
 ]
 
 #: Response header naming the replica that served a request (its Serve unique id).
@@ -53,7 +64,24 @@ WORKER_PID_HEADER = "x-muxworker-worker-pid"
 #: Routing stats period: how stale the replicas' reports of their sessions may be. The router's own
 #: table of placements covers the sessions it placed since.
 STATS_PERIOD_S = 0.5
+#: How long a replica's worker may be down before the replica fails Serve's health check. Its
+#: server restarts a dead worker by itself, which takes seconds (backing off to 30 s between
+#: failed starts), so only a worker down for longer than that is worth a new replica.
+WORKER_DOWN_GRACE_S = 60.0
+#: Serve's health-check period for the replicas (three failures in a row replace one).
+HEALTH_CHECK_PERIOD_S = 1.0
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+# Request headers not forwarded to the child: hop-by-hop ones (a streamed body keeps the client's
+# Content-Length, or goes chunked), and Host, so httpx names the child's own address, which it serves.
+_REQUEST_DROP = {"connection", "keep-alive", "transfer-encoding", "host"}
+
+
+class ReplicaUnhealthy(RuntimeError):
+    """This replica's server has exited, or its worker has been down past WORKER_DOWN_GRACE_S."""
+
+
+class _BodyTooLarge(Exception):
+    """A request body without a declared length went over the limit while it streamed."""
 
 
 @dataclass(frozen=True)
@@ -156,16 +184,31 @@ class SessionAffinityRouter(_router_base()):  # type: ignore[misc]
         self._placed = {s: p for s, p in self._placed.items() if p[0] in live}
 
 
+def _http_policy(server_args: Sequence[str]) -> HttpPolicy:
+    """The refusals of the server ``server_args`` start, built by the server's own parser and
+    :func:`~.__main__.http_policy` (keys also from the environment, as the child reads them)."""
+    from .__main__ import _parser, http_policy
+
+    args, _ = _parser().parse_known_args(list(server_args))
+    return http_policy(args)
+
+
 class MuxworkerReplica:
     """One Serve replica: a ``python -m muxworker.serve`` child and its worker (module docstring).
-    ``server_args`` are the server's and the worker's flags (no --host or --port)."""
+    ``server_args`` are the server's and the worker's flags (no --host or --port); ``public`` is
+    the (host, port) Serve's proxies listen on, which a request's Host must name (None, or a
+    wildcard host: the address the proxy's connection came in on, as a single server checks)."""
 
-    def __init__(self, server_args: Sequence[str], log_dir: str | None = None) -> None:
+    def __init__(
+        self, server_args: Sequence[str], log_dir: str | None = None, public: tuple[str, int] | None = None
+    ) -> None:
         import httpx
         from ray import serve
 
         from .process import ServerProcess
 
+        self._policy = _http_policy(server_args)  # a bad flag fails the deployment before a child starts
+        self._public = None if public is None or is_wildcard(public[0]) else (public[0], int(public[1]))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._token = secrets.token_hex(16)
         read_end, self._lifeline = os.pipe()  # the child's EOF on read_end: this process is gone
@@ -192,10 +235,45 @@ class MuxworkerReplica:
             os.close(read_end)
         self._http = httpx.AsyncClient(base_url=self._server.url, timeout=httpx.Timeout(None, connect=10.0))
         self._stats: dict[str, Any] = {}
+        self._unready_since: float | None = None  # when the child last began to say its worker is down
+
+    def _exited(self) -> int | None:
+        """The child server's exit status once it has exited (reaped here), else None."""
+        assert self._server.process is not None
+        return self._server.process.poll()
+
+    async def check_health(self) -> None:
+        """Serve's health check (every HEALTH_CHECK_PERIOD_S; three failures replace the replica):
+        raises :class:`ReplicaUnhealthy` when the child server has exited, or when its worker has
+        been down (or the child silent) for WORKER_DOWN_GRACE_S. A store outage does not count:
+        the child's /health says "degraded" then, with status 200."""
+        import httpx
+
+        code = self._exited()
+        if code is not None:
+            raise ReplicaUnhealthy(f"the replica's server exited with status {code}: {self._server.log_tail(5)}")
+        try:
+            response = await self._http.get("/health", timeout=5.0)
+            ready, reason = response.status_code == 200, response.text[:200]
+        except httpx.HTTPError as exc:
+            ready, reason = False, f"the server did not answer /health: {type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        if ready:
+            self._unready_since = None
+            return
+        if self._unready_since is None:
+            self._unready_since = now
+        if now - self._unready_since > WORKER_DOWN_GRACE_S:
+            raise ReplicaUnhealthy(
+                f"the replica's worker has been down for {now - self._unready_since:.0f} s: {reason}"
+            )
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (every STATS_PERIOD_S): the sessions live in this replica's
-        worker and its free slots, from the child server."""
+        worker and its free slots, from the child server (none while the child is gone)."""
+        if self._exited() is not None:
+            self._stats = {"ready": False, "sessions": [], "free_slots": 0, "evictions": 0, "worker_pid": None}
+            return self._stats
         response = await self._http.get(
             "/v1/internal/routing", headers={"authorization": f"Bearer {self._token}"}, timeout=2.0
         )
@@ -203,17 +281,95 @@ class MuxworkerReplica:
         self._stats = response.json()
         return self._stats
 
+    def _admit(self, request: Any) -> None:
+        """Raise the APIError a request is refused with before its body is read: the server's own
+        refusals (Host against the public address, Origin, Content-Type, Content-Length), then the
+        key (the child checks both again, on what it is sent)."""
+        headers, method, path = request.headers, request.method, request.url.path
+        server = self._public if self._public is not None else request.scope.get("server")
+        err = self._policy.refusal(method, headers, server)
+        if err is not None:
+            raise err
+        if path.startswith("/v1/internal/"):
+            raise oa.APIError(404, f"no route for {path!r:.100}", code="not_found")
+        if method == "OPTIONS" or path == "/health":
+            return  # a preflight carries no key; the child answers it
+        if path == "/metrics":
+            self._policy.check_admin(headers)
+        else:
+            self._policy.tenant(headers)
+
+    def _error(self, err: oa.APIError, origin: str | None) -> Any:
+        from starlette.responses import JSONResponse
+
+        headers = {**err.headers, REPLICA_HEADER: self.replica_id}
+        if err.status == 413:
+            headers["Connection"] = "close"  # the unread rest of the body must not reach the next request
+        headers.update((k.decode(), v.decode("latin-1")) for k, v in self._policy.cors_headers(origin))
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def _unavailable(self, why: str) -> oa.APIError:
+        return oa.APIError(
+            503,
+            f"this replica's server is unavailable ({why}); retry, another replica will take the session",
+            type="server_error",
+            code="replica_unavailable",
+            headers={"Retry-After": str(oa.RETRY_AFTER_S)},
+        )
+
+    async def _body(self, request: Any) -> AsyncIterator[bytes]:
+        """The request body as it arrives, at most the policy's limit (a declared Content-Length
+        over it was refused before a byte was read)."""
+        limit, seen = self._policy.max_request_bytes, 0
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > limit:
+                raise _BodyTooLarge(seen)
+            if chunk:
+                yield chunk
+
     async def __call__(self, request: Any) -> Any:
-        """Forward one HTTP request to the child server and stream its response back."""
+        """Refuse what the server would refuse before reading the body, then forward the request
+        to the child server, body streamed, and stream its response back."""
+        import httpx
         from starlette.background import BackgroundTask
+        from starlette.requests import ClientDisconnect
         from starlette.responses import StreamingResponse
 
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
-        body = await request.body()
+        origin = request.headers.get("origin")
+        try:
+            self._admit(request)
+        except oa.APIError as refusal:
+            return self._error(refusal, origin)
+        code = self._exited()
+        if code is not None:
+            return self._error(self._unavailable(f"it exited with status {code}"), origin)
+        # An Origin that passed and is not a --cors-origin is the public address's own, which the
+        # child (serving its own 127.0.0.1 address) would take for a foreign one: not forwarded.
+        drop = _REQUEST_DROP if self._policy.cors_headers(origin) else _REQUEST_DROP | {"origin"}
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+        has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
         upstream = self._http.build_request(
-            request.method, request.url.path, params=request.url.query, headers=headers, content=body
+            request.method,
+            request.url.path,
+            params=request.url.query,
+            headers=headers,
+            content=self._body(request) if has_body else None,
         )
-        response = await self._http.send(upstream, stream=True)
+        try:
+            response = await self._http.send(upstream, stream=True)
+        except _BodyTooLarge:
+            limit = self._policy.max_request_bytes
+            too_large = oa.APIError(
+                413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large"
+            )
+            return self._error(too_large, origin)
+        except ClientDisconnect:
+            return self._error(oa.bad_request("the client went away during the body", code="invalid_request"), origin)
+        except httpx.TransportError as exc:
+            code = self._exited()
+            why = f"it exited with status {code}" if code is not None else f"{type(exc).__name__}: {exc}"
+            return self._error(self._unavailable(why), origin)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
         out_headers[REPLICA_HEADER] = self.replica_id
         if self._stats.get("worker_pid"):
@@ -239,8 +395,12 @@ def deployment(
     max_ongoing_requests: int = 64,
     num_cpus: float = 0.25,
     log_dir: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
 ) -> Any:
-    """The Serve application: ``replicas`` of :class:`MuxworkerReplica` behind :class:`SessionAffinityRouter`."""
+    """The Serve application: ``replicas`` of :class:`MuxworkerReplica` behind :class:`SessionAffinityRouter`.
+    ``host`` and ``port``: where Serve's proxies listen (``http_options``), the only Host a request
+    may name besides ``--allowed-host`` values (without them: the address a connection came in on)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -253,11 +413,13 @@ def deployment(
         name="muxworker",
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
-        health_check_period_s=1.0,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=10.0,
         ray_actor_options={"num_cpus": num_cpus},
         request_router_config=RequestRouterConfig(**router),
     )
-    return decorate(MuxworkerReplica).bind(list(server_args), log_dir)
+    public = (host, port) if host is not None and port is not None else None
+    return decorate(MuxworkerReplica).bind(list(server_args), log_dir, public)
 
 
 def replica_actors(app_name: str = "muxworker") -> dict[str, str]:
@@ -294,7 +456,8 @@ def run(
 
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment(server_args, replicas=replicas), name="muxworker", route_prefix="/")
+        app = deployment(server_args, replicas=replicas, host=host, port=port)
+        serve.run(app, name="muxworker", route_prefix="/")
         if ready is not None:
             ready(f"http://{host}:{port}")
         signal.signal(signal.SIGTERM, on_signal)
