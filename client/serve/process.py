@@ -15,9 +15,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["READY_PREFIX", "ServerProcess", "ServerStartError", "tree_rss"]
+__all__ = [
+    "READY_PREFIX",
+    "ProcStat",
+    "ServerProcess",
+    "ServerStartError",
+    "descendants",
+    "process_table",
+    "tree_rss",
+]
 
 #: The line the server prints on stdout once it accepts connections: ``<prefix> <model> on <url> ...``.
 READY_PREFIX = "muxworker serve:"
@@ -119,13 +128,29 @@ class ServerProcess:
         self.stop()
 
 
-def tree_rss(root: int) -> int:
-    """Bytes of RSS of process ``root`` and all its descendants, from /proc (Linux): what a server
-    and its workers (or a local Ray cluster, from its driver) hold. Pages shared between processes
-    count once per process."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
+@dataclass(frozen=True)
+class ProcStat:
+    """One process as ``/proc/<pid>/stat`` shows it (Linux)."""
+
+    ppid: int
+    state: str  # "R", "S", ..., "Z" for a zombie (exited, not reaped)
+    start_ticks: int  # clock ticks after boot: with the pid, names a process for good
+    rss_bytes: int
+
+    def argv(self, pid: int) -> list[str]:
+        """The command line of ``pid`` ([] once it is gone or for a kernel thread)."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            return []
+
+
+def process_table() -> dict[int, ProcStat]:
+    """Every process on the machine, from /proc (Linux): for tests and scripts that count a server's
+    processes or add up their memory."""
     page = os.sysconf("SC_PAGE_SIZE")
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -134,11 +159,27 @@ def tree_rss(root: int) -> int:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone meanwhile
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        rss[int(entry)] = int(fields[21]) * page
-    total, stack = 0, [root]
+        out[int(entry)] = ProcStat(int(fields[1]), fields[0], int(fields[19]), int(fields[21]) * page)
+    return out
+
+
+def descendants(root: int, table: dict[int, ProcStat] | None = None) -> list[int]:
+    """The pids of ``root``'s children, theirs, and so on (``table``: :func:`process_table`)."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, stat in table.items():
+        children.setdefault(stat.ppid, []).append(pid)
+    out, stack = [], [root]
     while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack.extend(children.get(pid, []))
-    return total
+        kids = children.get(stack.pop(), [])
+        out.extend(kids)
+        stack.extend(kids)
+    return out
+
+
+def tree_rss(root: int) -> int:
+    """Bytes of RSS of process ``root`` and all its descendants, from /proc (Linux): what a server
+    and its workers (or a local Ray cluster, from its driver) hold. Pages shared between processes
+    count once per process."""
+    table = process_table()
+    return sum(table[pid].rss_bytes for pid in [root, *descendants(root, table)] if pid in table)

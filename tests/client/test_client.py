@@ -31,6 +31,7 @@ from muxworker.client import (
     default_worker_command,
     spawn_multiplexed_worker,
 )
+from muxworker.serve.process import process_table
 from muxworker.transport.errors import ERROR_CLASSES
 
 HANG_GUARD_S = 60.0
@@ -62,18 +63,7 @@ async def client(worker_command):
 def _child_pids() -> set[int]:
     """Live (or zombie) children of this process, from /proc."""
     me = os.getpid()
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:
-            pids.add(int(entry))
-    return pids
+    return {pid for pid, stat in process_table().items() if stat.ppid == me}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers.fs import place_unusable
 
 from muxworker.client import SessionStore
 from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
@@ -123,16 +124,6 @@ def test_a_missing_store_is_a_clear_error(tmp_path):
     assert out.returncode == 2 and "no session store" in out.stderr
 
 
-def _place(kind: str, path, outside) -> None:
-    if kind == "symlink":
-        path.symlink_to(outside)
-    elif kind == "fifo":
-        os.mkfifo(path)
-    else:
-        (path / "inner").mkdir(parents=True)
-        (path / "inner" / "file").write_bytes(b"x")
-
-
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
 def test_an_unusable_manifest_never_hangs_a_command_and_delete_removes_it(store, tmp_path, kind):
     # Every command finishes (cli() times out after 60 s: a FIFO opened for a blocking read would
@@ -140,7 +131,7 @@ def test_an_unusable_manifest_never_hangs_a_command_and_delete_removes_it(store,
     outside = tmp_path / "outside"
     outside.write_bytes(b"precious")
     path = store.path_for("bad")
-    _place(kind, path, outside)
+    place_unusable(kind, path, outside)
     listed = cli(store.path, "list")
     assert listed.returncode == 0 and "2 session(s)" in listed.stdout
     for args, status, where in (

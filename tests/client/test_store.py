@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 import trio
+from helpers.fs import place_unusable, tmpfs
 
 from muxworker.client.checkpoint import (
     CheckpointCorrupt,
@@ -347,18 +348,6 @@ async def test_save_and_load_refuse_a_checkpoint_of_another_dtype_than_declared(
         store.load("s")
 
 
-def place_unusable(kind: str, path, outside) -> None:
-    """Put a symlink (to ``outside``), a FIFO or a non-empty directory at a manifest's path."""
-    if kind == "symlink":
-        path.symlink_to(outside)
-    elif kind == "fifo":
-        os.mkfifo(path)
-    else:
-        (path / "inner").mkdir(parents=True)
-        (path / "inner" / "file").write_bytes(b"x")
-        (path / "link").symlink_to(outside)  # removed, never followed
-
-
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
 async def test_an_unusable_manifest_path_is_refused_and_delete_removes_it(store, tmp_path, kind):
     # A symlink, FIFO or directory where a manifest belongs is never followed, opened for a
@@ -621,17 +610,8 @@ async def test_a_store_directory_that_cannot_be_created_names_the_reason(tmp_pat
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "256k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 async def test_a_full_disk_then_a_read_only_file_system_keep_the_previous_file(small_tmpfs, model_files):

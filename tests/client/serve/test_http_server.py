@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from muxworker.client import SessionStore
-from muxworker.serve.process import ServerProcess
+from muxworker.serve.process import ServerProcess, process_table
 
 pytestmark = pytest.mark.slow
 
@@ -306,16 +306,9 @@ def test_api_keys_tenants_and_cache_salt(tmp_path):
 
 def _worker_pid(server: ServerProcess) -> int:
     """The server's one child process (trio spawns it from a thread, so scan every process's parent)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == server.pid:
-                return int(entry)
-    raise AssertionError("the server has no worker process")
+    children = [pid for pid, stat in process_table().items() if stat.ppid == server.pid]
+    assert children, "the server has no worker process"
+    return children[0]
 
 
 def test_restart_resumes_sessions_and_a_dead_worker_is_replaced(tmp_path):

@@ -32,7 +32,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
-from muxworker.serve.process import tree_rss  # noqa: E402
+from muxworker.serve.process import ProcStat, descendants, process_table, tree_rss  # noqa: E402
 from muxworker.serve.ray import REPLICA_HEADER, WORKER_PID_HEADER, ReplicaView, rank_replicas  # noqa: E402
 
 SLOTS = 4
@@ -100,34 +100,9 @@ def test_the_ranking_prefers_the_holder_then_a_free_slot_in_hash_order_then_the_
 # -- processes, from /proc (Linux) --------------------------------------------------------------------
 
 
-def _procs() -> dict[int, tuple[int, str, list[str]]]:
-    """{pid: (parent pid, start time, argv)} of every process that has not exited."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except OSError:
-            continue  # gone meanwhile
-        if fields[0] != "Z":  # a zombie has exited
-            out[int(entry)] = (int(fields[1]), fields[19], argv)
-    return out
-
-
-def _descendants(root: int, procs: dict[int, tuple[int, str, list[str]]]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    out, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        out.extend(children.get(pid, []))
-        stack.extend(children.get(pid, []))
-    return out
+def _procs() -> dict[int, ProcStat]:
+    """Every process that has not exited (a zombie has)."""
+    return {pid: stat for pid, stat in process_table().items() if stat.state != "Z"}
 
 
 def _muxworker_module(argv: list[str]) -> str | None:
@@ -142,7 +117,8 @@ def _muxworker_module(argv: list[str]) -> str | None:
 def _ray_processes(title: str) -> list[int]:
     """This test's Ray processes whose title (``ray::ServeReplica...``) starts with ``title``."""
     procs = _procs()
-    return [pid for pid in _descendants(os.getpid(), procs) if procs[pid][2][:1] and procs[pid][2][0].startswith(title)]
+    argvs = {pid: procs[pid].argv(pid) for pid in descendants(os.getpid(), procs)}
+    return [pid for pid, argv in argvs.items() if argv and argv[0].startswith(title)]
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -161,7 +137,7 @@ def _reset_peak_rss(pid: int) -> None:
 
 def _alive(pid: int, started: str) -> bool:
     entry = _procs().get(pid)
-    return entry is not None and entry[1] == started
+    return entry is not None and entry.start_ticks == started
 
 
 def test_the_health_check_waits_out_a_worker_restart_and_a_store_outage_but_not_a_dead_server():
@@ -229,7 +205,7 @@ def test_when_the_ray_head_dies_every_server_and_worker_exits(tmp_path):
         driver = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
         )
-    cluster: dict[int, str] = {}  # pid -> start time of each process it started: all killed at the end
+    cluster: dict[int, int] = {}  # pid -> start time of each process it started: all killed at the end
     reader: threading.Thread | None = None
     try:
         lines: queue.Queue[str | None] = queue.Queue()
@@ -252,9 +228,10 @@ def test_when_the_ray_head_dies_every_server_and_worker_exits(tmp_path):
         chat(url, [{"role": "user", "content": "Hello"}], "before-the-end")
 
         procs = _procs()
-        tree = _descendants(driver.pid, procs)
-        cluster.update((pid, procs[pid][1]) for pid in tree)
-        ours = {pid: _muxworker_module(procs[pid][2]) for pid in tree if _muxworker_module(procs[pid][2])}
+        tree = descendants(driver.pid, procs)
+        cluster.update((pid, procs[pid].start_ticks) for pid in tree)
+        modules = {pid: _muxworker_module(procs[pid].argv(pid)) for pid in tree}
+        ours = {pid: module for pid, module in modules.items() if module}
         assert sorted(ours.values()) == ["muxworker.chat._worker", "muxworker.serve"], ours
 
         os.killpg(driver.pid, signal.SIGKILL)
@@ -416,8 +393,8 @@ def test_a_replica_whose_server_died_answers_503_until_serve_replaces_it(cluster
     assert second.headers[REPLICA_HEADER] == holder
     worker_pid = int(second.headers[WORKER_PID_HEADER])
     procs = _procs()
-    server_pid = procs[worker_pid][0]
-    assert _muxworker_module(procs[server_pid][2]) == "muxworker.serve"
+    server_pid = procs[worker_pid].ppid
+    assert _muxworker_module(procs[server_pid].argv(server_pid)) == "muxworker.serve"
     messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "Thanks!"}]
     time.sleep(1.5)  # the second turn is in the store
 

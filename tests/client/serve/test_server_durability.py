@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.fs import tmpfs
 from helpers.s3 import BUCKET, CREDENTIALS, CuttableProxy, moto_server
 
 from muxworker.client import SessionStore
@@ -68,16 +68,8 @@ def test_lifeline_eof_saves_and_exits(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 24 MiB tmpfs (needs root, as CI and this machine's developers are)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "24m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def _fill(disk: Path) -> Path:
@@ -257,3 +249,25 @@ def test_an_unreachable_store_is_a_503_that_keeps_the_session(tmp_path):
                 assert httpx.get(server.url + "/health").json()["status"] == "ok"
         finally:
             proxy.close()
+
+
+def test_the_server_collects_what_a_killed_save_left(tmp_path):
+    """A kill -9 mid-save leaves a segment no manifest names (509 MiB in the red team's run); the
+    server's collector removes it once it is old enough, and the session it belonged to is whole."""
+    store = tmp_path / "store"
+    with ServerProcess(["--store", str(store)], log_path=tmp_path / "serve1.log") as server:
+        assert _chat(server, "s").status_code == 200
+    (segment,) = store.glob("*.mxseg")
+    orphan = segment.with_name(segment.name[:65] + "0123456789abcdef.mxseg")
+    young = segment.with_name(segment.name[:65] + "fedcba9876543210.mxseg")
+    orphan.write_bytes(segment.read_bytes())
+    young.write_bytes(segment.read_bytes())
+    two_hours_ago = time.time() - 7200
+    os.utime(orphan, (two_hours_ago, two_hours_ago))  # a save in progress is younger than an hour
+    with ServerProcess(["--store", str(store), "--collect-interval", "1"], log_path=tmp_path / "s2.log") as server:
+        deadline = time.monotonic() + 30
+        while orphan.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not orphan.exists() and young.exists() and segment.exists()
+        r = _chat(server, "s", [*QUESTION, {"role": "assistant", "content": "Red."}])
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
