@@ -55,12 +55,12 @@ from .errors import (
     WorkerDiedError,
     WorkerStartupError,
 )
-from .object_store import ObjectSessionStore
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
 from .runtime import EvictionFailed, RuntimeGenerationResult, RuntimeStream, SessionRuntime
 from .sessions import SaveResult
-from .store import (
+from .stores import (
     ConfigurationMismatch,
+    ObjectSessionStore,
     SaveConflict,
     SessionInfo,
     SessionStore,

@@ -61,7 +61,7 @@ from .sessions import (
 )
 
 if TYPE_CHECKING:
-    from .store import StoreBinding
+    from .stores import StoreBinding
 
 __all__ = [
     "MultiplexedWorkerClient",

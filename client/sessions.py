@@ -32,7 +32,7 @@ from .connection import Connection
 if TYPE_CHECKING:
     from muxworker.transport.messages import WorkerInfo
 
-    from .store import StoreBinding
+    from .stores import StoreBinding
 
 __all__ = ["CheckpointQueue", "SaveResult"]
 

@@ -32,7 +32,7 @@ import obstore
 import trio
 
 from muxworker.client import GenerationParams, default_worker_command, open_store, spawn_multiplexed_worker
-from muxworker.client.object_store import connect
+from muxworker.client.stores.objects import connect
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import resolve_model
 

@@ -36,7 +36,7 @@ from muxworker.client import (
     open_store,
     spawn_multiplexed_worker,
 )
-from muxworker.client.store import session_hash
+from muxworker.client.stores import session_hash
 from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import ModelLoadError, resolve_model

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import socket
 import sys
-import textwrap
-from collections.abc import Mapping
 from pathlib import Path
 
 import trio
@@ -30,152 +26,12 @@ from muxworker.worker.options import UsageError, parse_args
 
 from .app import AppConfig, create_app
 from .metrics import ServerMetrics
-from .policy import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy, startup_problem
+from .options import RESERVED_WORKER_FLAGS, check_flags, http_policy, parser
+from .policy import HttpPolicy, startup_problem
 from .process import READY_PREFIX
 from .service import ModelService, SavePolicy, ServiceConfig
 
 log = logging.getLogger("muxworker.serve")
-
-API_KEY_ENV = "MUXWORKER_API_KEY"
-ADMIN_KEY_ENV = "MUXWORKER_ADMIN_KEY"
-# Flags the server sets on the worker itself (the pipes), so a user may not.
-_RESERVED = ("--control-fd", "--reply-fd", "--files-fd", "--heartbeat_ms", "--heartbeat-ms")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m muxworker.serve",
-        description=textwrap.fill(
-            "An OpenAI-compatible HTTP server over one muxworker worker. Sessions named by an X-Session-Id "
-            "header (or a session_id body field) are kept in the worker, saved to the store after each turn, "
-            "and resumed from it after a restart. Unknown flags are the worker's.",
-            100,
-        ),
-        allow_abbrev=False,
-    )
-    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled SmolLM2)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: 8000)")
-    p.add_argument(
-        "--store",
-        default=None,
-        help=f"session store: a directory, or s3://bucket/prefix (also gs://, az://; credentials from the "
-        f"environment) (default: {default_store_dir()})",
-    )
-    p.add_argument(
-        "--store-timeout",
-        type=float,
-        default=None,
-        help="seconds an object store may fail to answer before a request gets 503 store_unavailable (default: 30)",
-    )
-    p.add_argument(
-        "--share-prefix-blocks",
-        action="store_true",
-        help="let the store keep one copy of a prompt prefix for every tenant (API key) that sends it; by "
-        "default each tenant's blocks are its own, so a save's timing never tells one tenant what another sent",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help=f"require Authorization: Bearer KEY on every endpoint but /health; repeat for several tenants "
-        f"(each its own sessions and prefix-cache namespace). Also read from ${API_KEY_ENV}",
-    )
-    p.add_argument(
-        "--admin-key",
-        action="append",
-        default=[],
-        help=f"with --api-key: a key that may read /metrics (server-wide figures no tenant's key reads). "
-        f"Also read from ${ADMIN_KEY_ENV}",
-    )
-    p.add_argument(
-        "--allowed-host",
-        action="append",
-        default=[],
-        help="a Host value to serve besides the bound address (NAME for any port, or NAME:PORT); repeatable. "
-        "Other Host values get 421, so a web page cannot reach the server through DNS rebinding. "
-        "Needed (or --api-key) to bind a non-loopback address",
-    )
-    p.add_argument(
-        "--cors-origin",
-        action="append",
-        default=[],
-        help="a web origin (https://app.example, or *) whose pages may call the server; repeatable. "
-        "Other origins get 403",
-    )
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    p.add_argument(
-        "--save",
-        choices=[p.value for p in SavePolicy],
-        default=SavePolicy.TURN.value,
-        help="turn: save a session in the background after each turn (default); sync: save each turn before "
-        "answering it; evict: only on eviction and shutdown",
-    )
-    p.add_argument(
-        "--max-sessions-per-tenant",
-        type=int,
-        default=None,
-        help="named sessions (live or stored) one API key may have; more get 429 (default: no limit)",
-    )
-    p.add_argument(
-        "--max-store-bytes-per-tenant",
-        type=int,
-        default=None,
-        help="store bytes one API key's sessions may take; turns beyond it get 507 (default: no limit)",
-    )
-    p.add_argument(
-        "--collect-interval",
-        type=float,
-        default=3600.0,
-        help="seconds between collections of store files no session names, e.g. left by a killed save "
-        "(0: never; default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=None,
-        help="generations admitted at once; more get 429 (default: the worker's max_inflight_requests)",
-    )
-    p.add_argument(
-        "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default: 30)"
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve on a local Ray cluster: --replicas servers, each with its own worker, behind a "
-        "session-affinity router (pip install 'muxworker[serve]'; docs/SCALE_OUT.md)",
-    )
-    p.add_argument("--replicas", type=int, default=2, help="with --ray: servers, each with its own worker (default: 2)")
-    p.add_argument("--ray-num-cpus", type=int, default=None, help="with --ray: CPUs of the local Ray cluster")
-    # Set by a Ray replica on the server it runs (muxworker.serve.ray), not by people.
-    p.add_argument("--internal-token", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def http_policy(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> HttpPolicy:
-    """The refusals of a server started with ``args`` (keys from the flags and the environment);
-    a Ray replica builds the same from the server flags it passes on. ValueError names a bad flag."""
-    keys = tuple(args.api_key) + ((environ[API_KEY_ENV],) if environ.get(API_KEY_ENV) else ())
-    admin = tuple(args.admin_key) + ((environ[ADMIN_KEY_ENV],) if environ.get(ADMIN_KEY_ENV) else ())
-    if any(not k.strip() or k != k.strip() for k in keys + admin):
-        raise ValueError("an API key must be non-empty, without surrounding spaces")
-    if admin and not keys:
-        raise ValueError("--admin-key needs --api-key: without tenant keys every caller reads /metrics")
-    return HttpPolicy(
-        api_keys=keys,
-        admin_keys=admin,
-        max_request_bytes=args.max_request_bytes,
-        allowed_hosts=tuple(args.allowed_host),
-        cors_origins=tuple(args.cors_origin),
-    )
 
 
 async def _run(args: argparse.Namespace, worker_command: list[str], store: StoreBinding, policy: HttpPolicy) -> int:
@@ -248,39 +104,6 @@ async def _run(args: argparse.Namespace, worker_command: list[str], store: Store
     return 0
 
 
-def _check_flags(args: argparse.Namespace) -> str | None:
-    """What is wrong with the server's flags, found before the worker starts (which takes a while)."""
-    if not 0 <= args.port <= 65535:
-        return f"--port must be in 0..65535, got {args.port}"
-    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
-        return f"--max-concurrent-requests must be at least 1, got {args.max_concurrent_requests}"
-    if args.max_request_bytes < 1024:
-        return f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}"
-    if not args.graceful_timeout >= 0:
-        return f"--graceful-timeout must be >= 0, got {args.graceful_timeout}"
-    if not 1 <= args.replicas <= 1024:
-        return f"--replicas must be in 1..1024, got {args.replicas}"
-    for name in ("max_sessions_per_tenant", "max_store_bytes_per_tenant"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be at least 1, got {value}"
-    if args.store_timeout is not None and not 0 < args.store_timeout <= 3600:
-        return f"--store-timeout must be in (0, 3600] seconds, got {args.store_timeout}"
-    if not args.collect_interval >= 0:
-        return f"--collect-interval must be >= 0, got {args.collect_interval}"
-    if args.ray_num_cpus is not None and args.ray_num_cpus < 1:
-        return f"--ray-num-cpus must be at least 1, got {args.ray_num_cpus}"
-    if args.port:
-        try:
-            family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((args.host, args.port))
-        except OSError as exc:
-            return f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
-    return None
-
-
 def _run_ray(args: argparse.Namespace, argv: list[str]) -> int:
     """--ray: every flag but the Ray ones goes to each replica's server as given."""
     try:
@@ -323,13 +146,13 @@ def _default_name(model: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, worker_flags = _parser().parse_known_args(argv)
+    args, worker_flags = parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for flag in worker_flags:
-        if flag.split("=", 1)[0] in _RESERVED:
+        if flag.split("=", 1)[0] in RESERVED_WORKER_FLAGS:
             print(f"muxworker serve: {flag} is set by the server itself", file=sys.stderr)
             return 2
-    problem = _check_flags(args)
+    problem = check_flags(args)
     if problem is not None:
         print(f"muxworker serve: {problem}", file=sys.stderr)
         return 2

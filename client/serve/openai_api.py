@@ -31,7 +31,7 @@ from muxworker.client.errors import (
     WorkerDiedError,
 )
 from muxworker.client.params import GenerationParams, GenerationResult
-from muxworker.client.store import StoreUnavailable
+from muxworker.client.stores import StoreUnavailable
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 

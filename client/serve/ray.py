@@ -186,10 +186,10 @@ class SessionAffinityRouter(_router_base()):  # type: ignore[misc]
 
 def _http_policy(server_args: Sequence[str]) -> HttpPolicy:
     """The refusals of the server ``server_args`` start, built by the server's own parser and
-    :func:`~.__main__.http_policy` (keys also from the environment, as the child reads them)."""
-    from .__main__ import _parser, http_policy
+    :func:`~.options.http_policy` (keys also from the environment, as the child reads them)."""
+    from .options import http_policy, parser
 
-    args, _ = _parser().parse_known_args(list(server_args))
+    args, _ = parser().parse_known_args(list(server_args))
     return http_policy(args)
 
 

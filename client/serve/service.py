@@ -36,7 +36,7 @@ from muxworker.client.errors import (
 )
 from muxworker.client.params import GenerationParams, GenerationResult
 from muxworker.client.runtime import RuntimeStream, SessionRuntime
-from muxworker.client.store import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
+from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
 
 from .metrics import ServerMetrics
 

@@ -36,8 +36,8 @@ from muxworker.client import (
     spawn_multiplexed_worker,
 )
 from muxworker.client.checkpoint import CheckpointIncompatible
-from muxworker.client.object_store import connect
-from muxworker.client.store import StorePermissionError, StoreUnavailable, session_hash
+from muxworker.client.stores import StorePermissionError, StoreUnavailable, session_hash
+from muxworker.client.stores.objects import connect
 from muxworker.native import crc32c
 from muxworker.transport.checkpoint.segments import write_checkpoint_segment
 
@@ -238,8 +238,8 @@ def test_the_http_server_resumes_sessions_from_s3_after_a_restart(s3_env, tmp_pa
 
 
 WRITER = r"""
-import sys, trio
-sys.path.insert(0, sys.argv[3])
+import os, sys, trio
+sys.path[:0] = [sys.argv[3], os.path.dirname(sys.argv[3])]  # test_store, and the helpers it imports
 from test_store import CONFIG, make_checkpoint
 from muxworker.client import open_store
 
@@ -391,7 +391,7 @@ async def test_a_collector_beside_concurrent_saves_never_takes_a_named_block(sto
     import random
     import threading
 
-    from muxworker.client.store import StoreBusy
+    from muxworker.client.stores import StoreBusy
 
     store = await _open_fast(store_url, model_files, refresh=1.0)  # a writer publishes within 0.5 s
     stop = threading.Event()

@@ -27,7 +27,7 @@ from muxworker.client.checkpoint import (
     checkpoint_identity,
 )
 from muxworker.client.params import ModelInfo, WorkerInfo
-from muxworker.client.store import ConfigurationMismatch, SessionStore, StorePermissionError, StoreUnavailable
+from muxworker.client.stores import ConfigurationMismatch, SessionStore, StorePermissionError, StoreUnavailable
 from muxworker.native import crc32c
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES, validate
@@ -412,7 +412,7 @@ CHILD = textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
-    from muxworker.client.store import SessionStore
+    from muxworker.client.stores import SessionStore
     from muxworker.client.checkpoint import CPUCheckpoint, LayerState
 
     path, identity = sys.argv[1], sys.argv[2]

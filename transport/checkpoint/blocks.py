@@ -23,7 +23,7 @@ to every session that starts with the same prompt.
 The worker writes one segment per save (the rows since its base); :func:`split_segment` cuts it
 at the block boundaries into block pieces and one tail piece, as views of the segment's own
 memory (no copy until a piece is written). Only numpy, the file container and segments here; the
-stores (client/store.py, client/object_store.py) decide which blocks are already stored.
+stores (client/stores/) decide which blocks are already stored.
 """
 
 from __future__ import annotations

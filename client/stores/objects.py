@@ -61,7 +61,7 @@ from muxworker.transport.checkpoint.segments import (
 )
 from muxworker.transport.errors import InvalidArgument
 
-from .store import (
+from .binding import (
     DEFAULT_COMPACT_AFTER,
     MANIFEST_NAME,
     SEGMENT_SUFFIX,

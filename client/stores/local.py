@@ -19,17 +19,13 @@ import builtins
 import dataclasses
 import errno
 import fcntl
-import hashlib
-import json
 import os
-import re
 import secrets
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,26 +35,18 @@ from muxworker.transport.checkpoint import (
     DEFAULT_MAX_BYTES,
     CheckpointCorrupt,
     CheckpointError,
-    CheckpointIncompatible,
     CheckpointNotFound,
     CheckpointReadError,
-    CheckpointTooLarge,
     CheckpointWriteError,
     CPUCheckpoint,
     IdentityInputs,
     checkpoint_identity_inputs,
 )
 from muxworker.transport.checkpoint.blocks import (
-    BLOCK_NAME,
-    DEFAULT_BLOCK_TOKENS,
-    MAX_BLOCKS,
     Piece,
-    SegmentMemory,
-    split_segment,
 )
 from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.file import (
-    _identity_mismatch,
     _open_regular,
     _write_all,
     read_checkpoint_file,
@@ -69,8 +57,6 @@ from muxworker.transport.checkpoint.segments import (
     SEGMENTED_VERSION,
     SegmentRef,
     SessionManifest,
-    assemble_checkpoint,
-    check_chain,
     encode_session_manifest,
     file_version,
     read_payload_into,
@@ -79,532 +65,33 @@ from muxworker.transport.checkpoint.segments import (
     write_checkpoint_segment,
 )
 from muxworker.transport.errors import InvalidArgument
-from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
-    from .params import WorkerInfo
-
-__all__ = [
-    "SessionStore",
-    "StoreBinding",
-    "open_store",
-    "StorePermissionError",
-    "ConfigurationMismatch",
-    "StoreBusy",
-    "SaveConflict",
-    "StoreUnavailable",
-    "SessionInfo",
-    "CleanResult",
-    "DEFAULT_COMPACT_AFTER",
-]
-
-SUFFIX = ".mxckpt"
-SEGMENT_SUFFIX = ".mxseg"
-#: A session's manifest is ``<hash>.mxckpt`` and its own segments ``<hash>.<random>.mxseg``, on
-#: every backend (``hash``: :func:`session_hash` of its id), so a segment's name says whose it is.
-MANIFEST_NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
-SEGMENT_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.mxseg")
-_TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{16}\.tmp")
-# Writers hold a shared lock on WRITERS_LOCK while they save or delete; clean() needs it exclusive.
-# COMMIT_LOCK is held exclusive for the few milliseconds a manifest is checked and replaced.
-WRITERS_LOCK = ".muxworker-writers.lock"
-COMMIT_LOCK = ".muxworker-commit.lock"
-#: A session saved incrementally is rewritten whole (compacted) once it has this many segments.
-DEFAULT_COMPACT_AFTER = 16
-#: The local store's blocks by default: none. The worker then writes its rows straight into the
-#: store's file and reads them back from one segment per save: measured at 4,096 tokens, 128-token
-#: blocks made a save 1.9x and a restore 2.4x slower here (32 files, each fsynced and read on its
-#: own). ``block_tokens=DEFAULT_BLOCK_TOKENS`` shares prefixes on disk too. Object stores share by
-#: default (transport/checkpoint/blocks.py).
-LOCAL_BLOCK_TOKENS = 0
-
-
-class StorePermissionError(CheckpointError):
-    """The store directory is missing, a symlink, not a directory, not owned by this user, or
-    writable by group or others."""
-
-
-class ConfigurationMismatch(CheckpointIncompatible):
-    """The worker (or a checkpoint) does not run the configuration the store was created with."""
-
-
-class StoreBusy(CheckpointError):
-    """A writer holds the store, so an operation that needs it alone (``clean``) did not run."""
-
-
-class SaveConflict(CheckpointError):
-    """Another writer saved or deleted the session while this incremental save ran; save again."""
-
-
-class StoreUnavailable(CheckpointError):
-    """The store could not be reached or answered with a server/network error; the session's data is not known to be damaged."""
-
-    code = "store_unavailable"  # never on the wire: only the client's stores raise it
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """What the store knows of one saved session, from its manifest (no payload is read)."""
-
-    session_id: str
-    tokens: int  # the saved position: tokens of history with KV
-    nbytes: int  # bytes on disk: segments plus manifest (or the one file)
-    segments: int  # files holding its rows (1 for a file version 1 or 2 session)
-    identity: str | None
-    dtype: str
-    backend: str
-    created: float  # seconds since the epoch (a version 1/2 file: its modification time)
-    saved: float
-    file_version: int
-
-
-class CleanResult(tuple[list[str], int]):
-    """What :meth:`StoreBinding.clean` did. It unpacks as ``(removed, nbytes)``: the names it
-    removed and their bytes. ``kept`` are the segments and blocks it left only because a manifest
-    it could not read may name them, and ``unreadable`` those manifests, as (name, why)."""
-
-    kept: list[str]
-    unreadable: list[tuple[str, str]]
-
-    def __new__(
-        cls,
-        removed: list[str],
-        nbytes: int,
-        *,
-        kept: Iterable[str] = (),
-        unreadable: Iterable[tuple[str, str]] = (),
-    ) -> CleanResult:
-        result = super().__new__(cls, (removed, nbytes))
-        result.kept = sorted(kept)
-        result.unreadable = sorted(unreadable)
-        return result
-
-    @property
-    def removed(self) -> list[str]:
-        return self[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self[1]
-
-
-@dataclass
-class ManifestSurvey:
-    """What a collector learned from reading every manifest: the segments and blocks they name,
-    and the manifests it could not read, as (name, why).
-
-    A manifest that cannot be read, for any reason (an I/O or permission error, a network error,
-    a newer version, damage), may name anything: the segments of its own session (named after it,
-    ``<hash>.<random>.mxseg``) stay, and while any manifest is unreadable no block is collected,
-    since which blocks it names is unknown."""
-
-    named: set[str] = field(default_factory=set)
-    unreadable: list[tuple[str, str]] = field(default_factory=list)
-
-    def partition(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
-        """The segments and blocks among ``names`` that no manifest names: (those no manifest
-        can name, those only an unreadable manifest may name)."""
-        guarded = {name[:64] for name, _ in self.unreadable}  # the session hashes they are named by
-        stray: list[str] = []
-        kept: list[str] = []
-        for name in names:
-            segment = SEGMENT_NAME.fullmatch(name)
-            if not (segment or BLOCK_NAME.fullmatch(name)) or name in self.named:
-                continue
-            if segment:
-                protected = segment.group(1) in guarded
-            else:  # a block: any manifest may name it
-                protected = bool(self.unreadable)
-            (kept if protected else stray).append(name)
-        return stray, kept
-
-
-@dataclass
-class SavePlan:
-    """A save in progress (begin_save .. commit_save / abort_save); holds the writers' lock."""
-
-    session_id: str
-    digest: str
-    segment: str  # the new segment's file name
-    fd: int  # the new segment file, open for writing, passed to the worker
-    tag: str
-    base: SessionManifest | None  # the saved manifest the save may append to
-    lock_fd: int  # the local store's writers' lock (-1: none)
-    version: Any = None  # an object store's e-tag of the manifest found (the conditional write's)
-    staged: bool = False  # fd is a memory file the store cuts into blocks and a tail (block_tokens)
-    compact: bool = False  # rewrite the tail run after the base's blocks as one segment
-    found: SessionManifest | None = None  # the manifest the save replaces (an object store's e-tag's)
-
-
-@dataclass
-class ResumePlan:
-    """The open files of a saved session, vetted, for a worker to restore from."""
-
-    session_id: str
-    fds: list[int]
-    manifest: SessionManifest | None  # None: a version 1 or 2 file (``fds`` holds it alone)
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-
-
-# Configuration keys the worker's hello reports, and where. Keys it does not report (rope, ...)
-# are bound by the identity alone; the engine limits (info.limits) are matched by their own names.
-_WORKER_FACTS = {
-    "backend": lambda info: info.backend,
-    "dtype": lambda info: info.dtype,
-    "weights": lambda info: info.weights,
-    "device": lambda info: info.device,
-    "architecture": lambda info: info.model.architecture,
-    "vocab_size": lambda info: info.model.vocab_size,
-    "context_length": lambda info: info.model.context_length,
-}
-
-
-def _show(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-
-
-def session_hash(session_id: str) -> str:
-    """The hex name of ``session_id``'s files (any id is safe as a name); checks the id."""
-    if not isinstance(session_id, str) or not session_id:
-        raise InvalidArgument(f"session id must be a nonempty string, got {session_id!r}")
-    try:
-        raw = session_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"session id {session_id!r} is not valid Unicode text") from None
-    # The wire's limit, so that every id the worker accepts can be saved and no saved id is one
-    # the worker would refuse to resume.
-    if len(raw) > MAX_SESSION_ID_BYTES:
-        raise InvalidArgument(f"session id is longer than {MAX_SESSION_ID_BYTES} UTF-8 bytes")
-    return hashlib.sha256(raw).hexdigest()
-
-
-class StoreBinding:
-    """What every session store shares, whatever holds its files: the checkpoint identity it is
-    bound to, the declared configuration a worker is checked against, and the size limit.
-    ``location`` names the store in messages (a directory, or an object-storage URL)."""
-
-    location: str
-
-    def __init__(
-        self,
-        *,
-        identity: str,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        inputs: IdentityInputs | None = None,
-        compact_after: int = DEFAULT_COMPACT_AFTER,
-        block_tokens: int,
-        share_blocks_across_namespaces: bool = False,
-    ) -> None:
-        if not isinstance(share_blocks_across_namespaces, bool):
-            raise InvalidArgument(
-                f"share_blocks_across_namespaces must be True or False, got {share_blocks_across_namespaces!r}"
-            )
-        #: Whether sessions of different namespaces (the part of an id before its first "/", e.g.
-        #: the HTTP server's tenant) share blocks. Off: a namespace cannot learn, from a save's
-        #: time or the store's objects, whether another already stored a prefix.
-        self.share_blocks_across_namespaces = share_blocks_across_namespaces
-        if isinstance(compact_after, bool) or not isinstance(compact_after, int) or not 1 <= compact_after <= 128:
-            raise InvalidArgument(f"compact_after must be an integer in [1, 128], got {compact_after!r}")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 <= block_tokens <= 1 << 20:
-            raise InvalidArgument(
-                f"block_tokens must be 0 (no shared blocks) or a positive integer, got {block_tokens!r}"
-            )
-        self.block_tokens = block_tokens
-        if not isinstance(identity, str) or not identity:
-            raise InvalidArgument("identity must be a nonempty string")
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise InvalidArgument(f"max_bytes must be a positive integer, got {max_bytes!r}")
-        if inputs is not None and not isinstance(inputs, IdentityInputs):
-            raise InvalidArgument(f"inputs must be IdentityInputs or None, got {type(inputs).__name__}")
-        self.compact_after = compact_after
-        self.identity = identity
-        self.max_bytes = max_bytes
-        self.inputs = inputs
-        self.inspecting = False
-
-    def _check_bound(self, what: str) -> None:
-        if self.inspecting:
-            raise InvalidArgument(
-                f"this store was opened for inspection, bound to no model: it cannot {what}; "
-                "open it with SessionStore.create(path, model_files=..., configuration=...)"
-            )
-
-    @property
-    def configuration(self) -> dict[str, Any] | None:
-        """The configuration the store was created with (canonical JSON data), if known."""
-        return None if self.inputs is None else self.inputs.configuration
-
-    def check_worker(self, info: WorkerInfo) -> None:
-        """Refuse a worker that does not run what this store's configuration declares.
-
-        Compares each declared key that the worker's hello reports: ``backend``, ``dtype``,
-        ``device`` (``cuda`` matches ``cuda:0``), the model's ``architecture``, ``vocab_size`` and
-        ``context_length``, every engine limit by name (``max_session_tokens``, ``n_draft``, ...),
-        and ``draft`` as present or absent. Undeclared keys, and keys the hello does not report,
-        are not compared (the model files' bytes are bound by the identity). A store made without
-        ``inputs`` declares nothing. Raises :class:`ConfigurationMismatch` naming every differing
-        field, e.g. ``dtype: store float32, worker bfloat16``.
-        """
-        config = self.configuration
-        if not config:
-            return
-        differences = []
-        for key, declared in sorted(config.items()):
-            if key in _WORKER_FACTS:
-                actual = _WORKER_FACTS[key](info)
-                if key == "device" and isinstance(actual, str) and actual.startswith(f"{declared}:"):
-                    continue
-            elif key == "draft" and "n_draft" in info.limits:
-                # The hello reports the draft through its n_draft (0: none; with --speculative
-                # ngram, no draft model); the draft's name is bound by its files in the identity.
-                has_draft = bool(info.limits["n_draft"]) and info.limits.get("speculative") != "ngram"
-                if has_draft != (declared is not None):
-                    differences.append(
-                        f"draft: store {_show(declared)}, worker "
-                        + (f"a draft model (n_draft {info.limits['n_draft']})" if has_draft else "none")
-                    )
-                continue
-            elif key == "n_draft" and info.limits.get("speculative") == "ngram" and not declared:
-                continue  # n-gram drafting holds no state: its sessions are a plain worker's
-            elif key in info.limits:
-                actual = info.limits[key]
-            else:
-                continue
-            if actual != declared:
-                differences.append(f"{key}: store {_show(declared)}, worker {_show(actual)}")
-        if differences:
-            raise ConfigurationMismatch(
-                f"the worker does not run what the session store {self.location!r} declares: " + "; ".join(differences)
-            )
-
-    def _check_format(self, checkpoint: CPUCheckpoint) -> None:
-        """A checkpoint's own dtype and backend must be the declared ones (it was made by the worker)."""
-        self._check_declared(checkpoint.format, "checkpoint")
-
-    def _check_declared(self, fmt: dict, what: str) -> None:
-        """A checkpoint's (or saved session's) dtype and backend must be the declared ones."""
-        config = self.configuration or {}
-        differences = [
-            f"{key}: store {_show(config[key])}, {what} {_show(fmt.get(key))}"
-            for key in ("dtype", "backend")
-            if key in config and fmt.get(key) != config[key]
-        ]
-        if differences:
-            raise ConfigurationMismatch(
-                f"the {what} was not made by the configuration the session store {self.location!r} declares: "
-                + "; ".join(differences)
-            )
-
-    def check_manifest(self, m: SessionManifest, session_id: str, name: str) -> None:
-        """A manifest read under ``name`` must be ``session_id``'s, of this store's identity, and
-        made by the declared configuration."""
-        if m.session_id != session_id:
-            raise CheckpointCorrupt(
-                f"{name} holds session {m.session_id!r}, not {session_id!r}; the file was renamed or copied"
-            )
-        if m.identity != self.identity and not self.inspecting:
-            raise CheckpointIncompatible(
-                _identity_mismatch(name, m.identity, self.identity, m.identity_inputs, self.inputs, "store")
-            )
-        self._check_declared(m.format, "checkpoint")
-
-    # -- content-addressed blocks (transport/checkpoint/blocks.py), for every backend ------------
-
-    def block_namespace(self, session_id: str) -> str:
-        """The namespace whose blocks ``session_id``'s saves name: the part of the id before its
-        first "/" ("" without one), or "" for all when the store shares blocks across namespaces."""
-        if self.share_blocks_across_namespaces or "/" not in session_id:
-            return ""
-        return session_id.split("/", 1)[0]
-
-    def _base_plan(self, base: SessionManifest | None) -> tuple[SessionManifest | None, bool]:
-        """(the manifest a save builds on, whether it compacts the tail run): a session with
-        ``compact_after`` tail segments gets its tail rewritten as one (whole when it has no blocks)."""
-        if base is None:
-            return None, False
-        tails = sum(not r.shared for r in base.segments)
-        if tails < self.compact_after:
-            return base, False
-        if self.block_tokens and _block_run_end(base) % self.block_tokens == 0 and _block_run_end(base):
-            return base, True
-        return None, False
-
-    def base_of(self, plan: SavePlan) -> dict[str, Any] | None:
-        """The ``base`` a worker's save_file appends to (None: write everything). A block store's
-        base also says where its last block ends, for saves that complete a block."""
-        base = plan.base
-        if base is None:
-            return None
-        run, size = _block_run_end(base), self.block_tokens
-        if size and run % size:
-            run = 0  # blocks of another size: the next save that crosses a boundary rewrites them
-        out: dict[str, Any] = {"tag": base.tag, "position": run if plan.compact else base.position}
-        if size and run < MAX_BLOCKS * size:
-            out["block_start"] = run
-            out["block_tokens"] = size
-        return out
-
-    def _cut(
-        self, plan: SavePlan, written: dict[str, Any]
-    ) -> tuple[builtins.list[SegmentRef], builtins.list[Piece], SegmentMemory]:
-        """What a staged save publishes: the base's segments it keeps (those before the new rows),
-        and the new rows cut into block pieces and a tail piece (views of the memory file)."""
-        start, position = int(written["start"]), int(written["position"])
-        base = plan.base
-        kept = [r for r in base.segments if r.end <= start] if start and base is not None else []
-        if start and (kept[-1].end if kept else 0) != start:
-            raise SaveConflict(
-                f"session {plan.session_id!r}: the worker saved from position {start}, which is no segment "
-                "boundary of the save it builds on; nothing was published, save again"
-            )
-        ref = SegmentRef(plan.segment, start, position, written["file_length"], written["header_crc"])
-        header = read_segment_header(plan.fd, f"the new segment of session {plan.session_id!r}", ref)
-        if header.session_id != plan.session_id or header.identity != self.identity:
-            raise CheckpointCorrupt(
-                f"the worker wrote a segment of another session or identity for {plan.session_id!r}"
-            )
-        size, parent = self.block_tokens, None
-        if start:
-            match = BLOCK_NAME.fullmatch(kept[-1].name) if kept[-1].shared else None
-            if match is None:
-                size = 0  # blocks continue only a run of blocks
-            else:
-                parent = match.group(1)
-        memory = SegmentMemory(plan.fd)
-        try:
-            pieces = split_segment(
-                memory,
-                header,
-                session_id=plan.session_id,
-                block_tokens=size,
-                parent_key=parent,
-                namespace=self.block_namespace(plan.session_id),
-            )
-        except BaseException:
-            memory.close()
-            raise
-        return kept, pieces, memory
-
-    # -- what every backend implements (SessionStore: a directory; ObjectSessionStore: a bucket) --
-    # Blocking and thread-safe, for trio.to_thread. The client's save and resume use the begin /
-    # commit pairs (the worker writes and reads the open descriptors they hold); save and load
-    # move host checkpoints (the pipe path).
-
-    def begin_save(self, session_id: str) -> SavePlan:
-        raise NotImplementedError
-
-    def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
-        raise NotImplementedError
-
-    def abort_save(self, plan: SavePlan) -> None:
-        raise NotImplementedError
-
-    def begin_resume(self, session_id: str) -> ResumePlan:
-        raise NotImplementedError
-
-    def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
-        raise NotImplementedError
-
-    def load(self, session_id: str) -> CPUCheckpoint:
-        raise NotImplementedError
-
-    def info(self, session_id: str) -> SessionInfo:
-        raise NotImplementedError
-
-    def list_info(self) -> builtins.list[SessionInfo]:
-        raise NotImplementedError
-
-    def list(self) -> builtins.list[str]:
-        raise NotImplementedError
-
-    def delete(self, session_id: str) -> bool:
-        raise NotImplementedError
-
-    def clean(self, *, older_than: float) -> CleanResult:
-        """Remove what no saved session names (segments killed writers left, blocks no session
-        names any more), last modified over ``older_than`` seconds ago. Deletes only what it can
-        prove unnamed: see :meth:`survey`."""
-        raise NotImplementedError
-
-    @staticmethod
-    def survey(manifests: Iterable[str], read: Callable[[str], SessionManifest | None]) -> ManifestSurvey:
-        """Read each manifest of ``manifests`` with ``read`` (None: a version 1 or 2 file, which
-        names no segment) for a collector. One gone meanwhile names nothing; one that cannot be
-        read for any other reason is unreadable, and protects what it may name
-        (:class:`ManifestSurvey`)."""
-        survey = ManifestSurvey()
-        for name in manifests:
-            try:
-                m = read(name)
-            except CheckpointNotFound:
-                continue
-            except Exception as exc:  # any reason at all: what it names is unknown
-                survey.unreadable.append((name, str(exc) or type(exc).__name__))
-                continue
-            if m is not None:
-                survey.named.update(r.name for r in m.segments)
-        return survey
-
-    def assemble(self, m: SessionManifest, fds: builtins.list[int], where: str) -> CPUCheckpoint:
-        """The host checkpoint of the manifest ``m`` from its open segments ``fds`` (every header
-        against the manifest, the chain, the size limit, every payload's CRC)."""
-        names = [f"segment {r.name} of session {m.session_id!r}" for r in m.segments]
-        headers = [read_segment_header(fd, n, r) for fd, n, r in zip(fds, names, m.segments)]
-        check_chain(m, headers, where)
-        total = sum(length for h in headers for _, length, _ in h.payloads)
-        if total > self.max_bytes:
-            raise CheckpointTooLarge(
-                f"session {m.session_id!r} holds {total} payload bytes, over the limit of {self.max_bytes}"
-            )
-        return assemble_checkpoint(m, list(zip(fds, headers, names)))
-
-    def open_all(self, m: SessionManifest, open_one: Callable[[SegmentRef], int]) -> builtins.list[int]:
-        """``open_one(ref)`` for every segment of ``m``, each checked to be the size its manifest
-        records; on any failure the ones opened are closed. The session's own segments are
-        opened first: a concurrent save may replace them, while shared blocks stay until clean()."""
-        fds: builtins.list[int] = []
-        order = sorted(range(len(m.segments)), key=lambda i: m.segments[i].shared)
-        try:
-            for i in order:
-                ref = m.segments[i]
-                fd = open_one(ref)
-                fds.append(fd)
-                size = os.fstat(fd).st_size
-                if size != ref.file_length:
-                    raise CheckpointCorrupt(
-                        f"segment {ref.name} of session {m.session_id!r} is {size} bytes, "
-                        f"not the {ref.file_length} its manifest records"
-                    )
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        in_order = [0] * len(fds)
-        for i, fd in zip(order, fds):
-            in_order[i] = fd
-        return in_order
-
-    def checked_for_save(self, checkpoint: CPUCheckpoint) -> CPUCheckpoint:
-        """``checkpoint`` stamped with this store's identity, after the checks every save makes."""
-        if not isinstance(checkpoint, CPUCheckpoint):
-            raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
-        self._check_format(checkpoint)  # first: it can name what differs, two digests cannot
-        if checkpoint.identity is None:
-            checkpoint = dataclasses.replace(checkpoint, identity=self.identity)
-        elif checkpoint.identity != self.identity:
-            raise CheckpointIncompatible(
-                f"checkpoint identity {checkpoint.identity!r} is not this store's {self.identity!r}"
-            )
-        checkpoint.validate()
-        if checkpoint.nbytes > self.max_bytes:
-            raise CheckpointTooLarge(
-                f"checkpoint holds {checkpoint.nbytes} payload bytes, over the limit of {self.max_bytes}"
-            )
-        return checkpoint
+    pass
+
+from .binding import (
+    _TEMP_NAME,
+    COMMIT_LOCK,
+    DEFAULT_COMPACT_AFTER,
+    LOCAL_BLOCK_TOKENS,
+    MANIFEST_NAME,
+    SEGMENT_SUFFIX,
+    SUFFIX,
+    WRITERS_LOCK,
+    CleanResult,
+    ResumePlan,
+    SaveConflict,
+    SavePlan,
+    SessionInfo,
+    StoreBinding,
+    StoreBusy,
+    StorePermissionError,
+    StoreUnavailable,
+    manifest_info,
+    session_hash,
+)
+
+__all__ = ["SessionStore"]
 
 
 class SessionStore(StoreBinding):
@@ -1459,32 +946,6 @@ def _reading_manifest(name: str) -> Iterator[None]:
         raise StoreUnavailable(f"{failure}; the saved session is not known to be damaged") from None
 
 
-def _block_run_end(m: SessionManifest) -> int:
-    """Where the run of shared blocks at the start of ``m`` ends (0: it has none)."""
-    end = 0
-    for ref in m.segments:
-        if not ref.shared:
-            break
-        end = ref.end
-    return end
-
-
-def manifest_info(m: SessionManifest, manifest_bytes: int) -> SessionInfo:
-    """The :class:`SessionInfo` of a version 3 session from its manifest."""
-    return SessionInfo(
-        m.session_id,
-        m.position,
-        m.nbytes + manifest_bytes,
-        len(m.segments),
-        m.identity,
-        str(m.format.get("dtype")),
-        str(m.format.get("backend")),
-        m.created,
-        m.saved,
-        SEGMENTED_VERSION,
-    )
-
-
 def _legacy_wire(fd: int, name: str) -> dict[str, Any]:
     """The wire manifest of a version 1/2 file (already verified by read_checkpoint_file)."""
     from muxworker.transport.checkpoint.file import _FILE_KEYS, _read_manifest, fstat_regular
@@ -1492,64 +953,3 @@ def _legacy_wire(fd: int, name: str) -> dict[str, Any]:
     manifest, _, _ = _read_manifest(fd, fstat_regular(fd, name), name, _FILE_KEYS)
     wire = manifest["checkpoint"]
     return wire if isinstance(wire, dict) else {}
-
-
-async def open_store(
-    location: str | os.PathLike,
-    *,
-    model_files: Iterable[str | os.PathLike],
-    configuration: dict,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    compact_after: int = DEFAULT_COMPACT_AFTER,
-    block_tokens: int | None = None,
-    share_blocks_across_namespaces: bool = False,
-    timeout: float | None = None,
-    **options: Any,
-) -> StoreBinding:
-    """The session store at ``location``, bound to the model files and configuration.
-
-    A path or ``file://`` URL is a local :class:`SessionStore` (``options`` must be empty).
-    ``block_tokens`` (None: the backend's default, :data:`LOCAL_BLOCK_TOKENS` or
-    :data:`~muxworker.transport.checkpoint.blocks.DEFAULT_BLOCK_TOKENS`) sizes the shared blocks,
-    which sessions share only within their namespace (the part of the id before its first "/")
-    unless ``share_blocks_across_namespaces``.
-    ``s3://bucket/prefix``, ``gs://``, ``az://`` and ``memory:///`` are an
-    :class:`~.object_store.ObjectSessionStore`. It takes credentials, region and endpoint from the
-    environment as every tool for that cloud does (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-    ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...), and ``options`` are obstore's store options.
-    ``timeout`` (seconds; None: :data:`~.object_store.DEFAULT_TIMEOUT`) bounds how long a request
-    to an object store may fail before :class:`StoreUnavailable`; a local store has none.
-    """
-    text = os.fspath(location)
-    scheme = text.split("://", 1)[0] if "://" in text else ""
-    if scheme in ("", "file"):
-        if options:
-            raise InvalidArgument(f"a local store takes no store options, got {sorted(options)}")
-        path = text[len("file://") :] if scheme == "file" else text
-        return await SessionStore.create(
-            path,
-            model_files=model_files,
-            configuration=configuration,
-            max_bytes=max_bytes,
-            compact_after=compact_after,
-            block_tokens=LOCAL_BLOCK_TOKENS if block_tokens is None else block_tokens,
-            share_blocks_across_namespaces=share_blocks_across_namespaces,
-        )
-    from .object_store import DEFAULT_TIMEOUT, OBJECT_SCHEMES, ObjectSessionStore
-
-    if scheme not in OBJECT_SCHEMES:
-        raise InvalidArgument(
-            f"no session store for {text!r}: expected a path, file://, or one of "
-            + ", ".join(f"{s}://" for s in OBJECT_SCHEMES)
-        )
-    return await ObjectSessionStore.create(
-        text,
-        model_files=model_files,
-        configuration=configuration,
-        max_bytes=max_bytes,
-        compact_after=compact_after,
-        block_tokens=DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens,
-        share_blocks_across_namespaces=share_blocks_across_namespaces,
-        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-        **options,
-    )
