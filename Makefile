@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 # The MLX backend: Metal on macOS, the CPU build on Linux (so it is built and tested here too).
 MLX_SPEC ?= $(if $(filter Darwin,$(shell uname -s)),mlx==0.32.4,mlx[cpu]==0.32.4)
 
-.PHONY: setup test lint demo bench bench-peer clean
+.PHONY: setup test test-fast lint demo bench bench-peer clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ setup: $(PY)
 # Lint first (seconds), then the suite.
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The inner loop: everything but the end-to-end tests on the bundled model (marked slow).
+test-fast: $(PY)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 LINTED := worker client transport native scripts tests
 # mypy cannot follow the package-dir mapping of the editable install, so it checks a tree of
