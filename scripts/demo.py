@@ -32,13 +32,12 @@ from muxworker.client import (
     MultiplexedWorkerClient,
     SessionStore,
     WorkerInfo,
-    default_worker_command,
     spawn_multiplexed_worker,
 )
 from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
 from muxworker.worker.models.gguf_tensors import INT4_TYPES, TENSOR_INDEX, GGUFTensorIndex
-from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import load_model_dir, resolve_model
+from muxworker.worker.spec import WorkerSpec
 
 SCRIPT_BEFORE = [
     "Hi! I'm planning a small vegetable garden. Which three vegetables are easiest for a beginner?",
@@ -176,10 +175,10 @@ def _ms(seconds: float) -> str:
 async def demo(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, progress=sys.stderr)
     store_dir = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="muxworker-demo-")) / "sessions"
-    config = worker_configuration(backend="torch", dtype=args.dtype, weights=args.weights, model_dir=model_dir)
-    command = default_worker_command(
+    spec = WorkerSpec.of(
         model_dir, dtype=args.dtype, weights=args.weights, threads=args.threads, max_sessions=2, max_session_tokens=4096
     )
+    command = spec.command()
     params = GenerationParams(session_id=SESSION, max_new_tokens=args.max_new_tokens, temperature=0)
     fill = GenerationParams(session_id=LONG_SESSION, max_new_tokens=args.long_turn_tokens, temperature=0)
     long_params = dataclasses.replace(params, session_id=LONG_SESSION)
@@ -189,7 +188,7 @@ async def demo(args: argparse.Namespace) -> int:
     print(f"session store: {store_dir}\n")
     print("1. A worker starts and the short conversation begins.")
     t0 = time.perf_counter()
-    store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
+    store = await SessionStore.create(store_dir, **spec.store_identity())
     conv = Conversation(SESSION)
     long = Conversation(LONG_SESSION)
     async with spawn_multiplexed_worker(command, session_store=store) as client:
@@ -240,7 +239,7 @@ async def demo(args: argparse.Namespace) -> int:
 
     print("4. A new worker starts, with the store recreated from the same model files and settings.")
     t0 = time.perf_counter()
-    store = await SessionStore.create(store_dir, model_files=model_identity_files(model_dir), configuration=config)
+    store = await SessionStore.create(store_dir, **spec.store_identity())
     async with spawn_multiplexed_worker(command, session_store=store) as client:
         print(f"   (worker up in {time.perf_counter() - t0:.1f} s, pid {client.pid})")
         tr = time.perf_counter()

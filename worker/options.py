@@ -151,6 +151,15 @@ _PROCESS_FLAGS: _Flags = [
         ),
     ),
     (
+        ("--own-process-group",),
+        dict(
+            action="store_true",
+            help="leave the parent's process group at start (an application that handles a terminal's "
+            "Ctrl-C itself keeps its worker out of the terminal's SIGINT); the worker still exits when "
+            "its control pipe closes",
+        ),
+    ),
+    (
         ("--heartbeat_ms", "--heartbeat-ms"),
         dict(
             type=_nonnegative_int,

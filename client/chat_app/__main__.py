@@ -32,14 +32,14 @@ from muxworker.client import (
     StoreBinding,
     WorkerDiedError,
     WorkerStartupError,
-    default_worker_command,
     open_store,
     spawn_multiplexed_worker,
 )
 from muxworker.client.stores import session_hash
 from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
-from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.models.loader import ModelLoadError, resolve_model
+from muxworker.worker.options import UsageError
+from muxworker.worker.spec import WorkerSpec
 
 from . import (
     CHAT_SAMPLING_DEFAULTS,
@@ -225,17 +225,22 @@ class _Chat:
         args = self.args
         store_dir = args.store or str(default_store_dir())
         try:
-            self.store = await open_store(
-                store_dir,
-                model_files=model_identity_files(self.model_dir),
-                configuration=worker_configuration(
-                    backend="torch",
-                    dtype=args.dtype,
-                    device=args.device,
-                    weights=args.weights,
-                    model_dir=self.model_dir,
-                ),
+            # Out of the terminal's process group: Ctrl-C is the chat's to handle.
+            spec = WorkerSpec.of(
+                self.model_dir,
+                own_process_group=True,
+                dtype=args.dtype,
+                weights=args.weights,
+                device=args.device,
+                threads=args.threads,
+                max_sessions=1,
+                max_session_tokens=args.max_session_tokens,
             )
+        except UsageError as exc:
+            _info(f"bad worker setting: {exc}")
+            return 2
+        try:
+            self.store = await open_store(store_dir, **spec.store_identity())
             session_hash(self.name)  # checks the session name
             if args.transcripts is not None:
                 self.transcripts = args.transcripts
@@ -247,18 +252,7 @@ class _Chat:
         except (MuxError, OSError) as exc:
             _info(f"cannot use the session store {store_dir}: {exc}")
             return 1
-        command = default_worker_command(
-            self.model_dir,
-            dtype=args.dtype,
-            weights=args.weights,
-            device=args.device,
-            threads=args.threads,
-            max_sessions=1,
-            max_session_tokens=args.max_session_tokens,
-        )
-        # The same worker, started through the module that moves it out of the terminal's
-        # process group (Ctrl-C is the chat's to handle).
-        command[command.index("muxworker.worker")] = "muxworker.chat._worker"
+        command = spec.command()
         progress = _Progress("loading model: starting the worker")
         nursery.start_soon(progress.run)
         t0 = time.perf_counter()

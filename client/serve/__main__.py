@@ -19,10 +19,10 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from muxworker.chat import default_store_dir
-from muxworker.client import MuxError, StoreBinding, WorkerStartupError, default_worker_command, open_store
-from muxworker.worker.models.identity import model_identity_files, worker_configuration
+from muxworker.client import MuxError, StoreBinding, WorkerStartupError, open_store
 from muxworker.worker.models.loader import BUNDLED_GGUF_NAME, ModelLoadError, resolve_model
-from muxworker.worker.options import UsageError, parse_args
+from muxworker.worker.options import UsageError
+from muxworker.worker.spec import WorkerSpec
 
 from .app import AppConfig, create_app
 from .metrics import ServerMetrics
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"muxworker serve: cannot load the model: {exc}", file=sys.stderr)
         return 2
     try:
-        options = parse_args(["--model", str(model_dir), *worker_flags])
+        # In a process group of its own, so a terminal's Ctrl-C reaches only the server, which saves
+        # the sessions before it closes the worker.
+        spec = WorkerSpec(model_dir, tuple(worker_flags), own_process_group=True)
     except UsageError as exc:
         print(f"muxworker serve: bad worker flag: {exc}", file=sys.stderr)
         return 2
@@ -183,17 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         store = trio.run(
             lambda: open_store(
                 args.store or default_store_dir(),
-                model_files=model_identity_files(model_dir),
-                configuration=worker_configuration(
-                    backend=options.backend,
-                    dtype=options.dtype,
-                    device=options.device,
-                    weights=options.weights,
-                    quantize=options.quantize,
-                    model_dir=model_dir,
-                    draft=options.draft,
-                    n_draft=options.config.n_draft,
-                ),
+                **spec.store_identity(),
                 share_blocks_across_namespaces=args.share_prefix_blocks,
                 timeout=args.store_timeout,
             )
@@ -201,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     except (MuxError, OSError, ValueError) as exc:
         print(f"muxworker serve: cannot use the session store: {exc}", file=sys.stderr)
         return 2
-    command = default_worker_command(model_dir) + list(worker_flags)
-    # The worker in a process group of its own, so a terminal's Ctrl-C reaches only the server,
-    # which saves the sessions before it closes the worker.
-    command[command.index("muxworker.worker")] = "muxworker.chat._worker"
+    command = spec.command()
     try:
         return trio.run(_run, args, command, store, policy)
     except KeyboardInterrupt:

@@ -106,7 +106,7 @@ def _procs() -> dict[int, ProcStat]:
 
 
 def _muxworker_module(argv: list[str]) -> str | None:
-    """``muxworker.serve``, ``muxworker.chat._worker``...: the module a ``python -m`` process runs."""
+    """``muxworker.serve``, ``muxworker.worker``...: the module a ``python -m`` process runs."""
     if "-m" in argv[:-1]:
         module = argv[argv.index("-m") + 1]
         if module.startswith("muxworker."):
@@ -232,7 +232,7 @@ def test_when_the_ray_head_dies_every_server_and_worker_exits(tmp_path):
         cluster.update((pid, procs[pid].start_ticks) for pid in tree)
         modules = {pid: _muxworker_module(procs[pid].argv(pid)) for pid in tree}
         ours = {pid: module for pid, module in modules.items() if module}
-        assert sorted(ours.values()) == ["muxworker.chat._worker", "muxworker.serve"], ours
+        assert sorted(ours.values()) == ["muxworker.serve", "muxworker.worker"], ours
 
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=10)
