@@ -4,9 +4,10 @@ A frame is a fixed little-endian header, a msgpack control map and zero or more 
 (docs/PROTOCOL.md). The worker uses the blocking fd end (:class:`FdFrameReader`,
 :class:`FdFrameWriter`), the client the trio end (:class:`TrioFrameReader`,
 :class:`TrioFrameWriter`); :func:`validate` checks every message kind against one table, and
-:mod:`.errors` holds the error class for each wire error code. :mod:`.messages` holds the
-typed contracts (generate request, result, hello) that the schema is checked against, and
-:mod:`.checkpoint` the checkpoint's data model, wire codec, file format and identity.
+:mod:`.errors` holds the error classes and the one table of their codes (:data:`ERRORS`: who sends
+each, and its HTTP status). :mod:`.messages` holds the typed contracts (generate request, result,
+hello) that the schema is checked against, and :mod:`.checkpoint` the checkpoint's data model, wire
+codec, file format and identity.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ERROR_CLASSES,
+    ERRORS,
     CapacityExhausted,
     CheckpointRejected,
     ContextOverflow,
@@ -84,6 +86,7 @@ __all__ = [
     "ProtocolError",
     "Unsaveable",
     "CheckpointRejected",
+    "ERRORS",
     "ERROR_CLASSES",
     "error_from_wire",
     # framing

@@ -34,10 +34,10 @@ from .service import ModelService, SavePolicy, ServiceConfig
 log = logging.getLogger("muxworker.serve")
 
 
-async def _run(args: argparse.Namespace, worker_command: list[str], store: StoreBinding, policy: HttpPolicy) -> int:
+async def _run(args: argparse.Namespace, spec: WorkerSpec, store: StoreBinding, policy: HttpPolicy) -> int:
     metrics = ServerMetrics()
     service = ModelService(
-        worker_command,
+        spec,
         store,
         metrics,
         ServiceConfig(
@@ -193,9 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     except (MuxError, OSError, ValueError) as exc:
         print(f"muxworker serve: cannot use the session store: {exc}", file=sys.stderr)
         return 2
-    command = spec.command()
     try:
-        return trio.run(_run, args, command, store, policy)
+        return trio.run(_run, args, spec, store, policy)
     except KeyboardInterrupt:
         return 130
 

@@ -18,21 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from muxworker.client.checkpoint import CheckpointError
-from muxworker.client.errors import (
-    CapacityExhausted,
-    ClientClosedError,
-    ContextOverflow,
-    MuxError,
-    NotReady,
-    SessionBusy,
-    SessionNotFound,
-    Unsaveable,
-    WorkerDiedError,
-)
 from muxworker.client.params import GenerationParams, GenerationResult
-from muxworker.client.stores import StoreUnavailable
-from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.errors import InvalidArgument, error_code_of
 from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
 from .service import TenantQuotaExceeded
@@ -132,57 +119,51 @@ RETRY_AFTER_S = 1
 STORE_RETRY_AFTER_S = 5
 
 
+@dataclass(frozen=True)
+class _Words:
+    """What the server adds to an OpenAI error code's answer: its own message, a Retry-After, the
+    ``param`` it names. The status, type and code come from the table (transport/errors.py)."""
+
+    message: str = ""  # "{exc}" is the exception's text; "": the exception's text as it is
+    retry_after: int | None = None
+    param: str | None = None
+
+
+_WORDS: dict[str, _Words] = {
+    "context_length_exceeded": _Words(param="messages"),
+    "capacity": _Words("the server is at capacity: {exc}", RETRY_AFTER_S),
+    # Nothing says the session is damaged, so nothing invites deleting it.
+    "store_unavailable": _Words(
+        "the session store is unavailable: {exc}. The session is kept; retry later", STORE_RETRY_AFTER_S
+    ),
+    "store_busy": _Words(retry_after=RETRY_AFTER_S),
+    "session_unresumable": _Words(
+        "the session's saved state cannot be used: {exc}. Its files are left untouched; "
+        "DELETE /v1/sessions/{{id}} to start it over"
+    ),
+    "worker_unavailable": _Words("the model worker is unavailable: {exc}", RETRY_AFTER_S),
+}
+
+
 def error_from_mux(exc: BaseException) -> APIError:
-    """The HTTP error a muxworker exception means to an OpenAI client."""
+    """The HTTP error a muxworker exception means to an OpenAI client: its row in the table of
+    codes (transport/errors.py), with the server's words for its OpenAI code."""
     if isinstance(exc, APIError):
         return exc
-    retry = {"Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(exc, ContextOverflow):
-        return APIError(400, str(exc), code="context_length_exceeded", param="messages")
-    if isinstance(exc, InvalidArgument):
-        return APIError(400, str(exc), code="invalid_value")
-    if isinstance(exc, CapacityExhausted):
-        return APIError(
-            429, f"the server is at capacity: {exc}", type="rate_limit_error", code="capacity", headers=retry
-        )
-    if isinstance(exc, SessionBusy):
-        return APIError(409, str(exc), code="session_busy")
-    if isinstance(exc, SessionNotFound):
-        return APIError(404, str(exc), code="session_not_found")
-    if isinstance(exc, Unsaveable):
-        return APIError(409, str(exc), code="unsaveable")
-    if isinstance(exc, StoreUnavailable):
-        # Before CheckpointError: nothing says the session is damaged, so nothing invites deleting it.
-        return APIError(
-            503,
-            f"the session store is unavailable: {exc}. The session is kept; retry later",
-            type="server_error",
-            code="store_unavailable",
-            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
-        )
-    if isinstance(exc, TenantQuotaExceeded):
+    if isinstance(exc, TenantQuotaExceeded):  # the server's own limits, not a muxworker error
         if exc.kind == "bytes":
             return APIError(507, str(exc), type="insufficient_storage", code="tenant_storage_limit")
         return APIError(429, str(exc), type="rate_limit_error", code="tenant_session_limit")
-    if isinstance(exc, CheckpointError):
-        # 422, not 409: the SDKs retry a 409, and a damaged or foreign file stays so.
-        return APIError(
-            422,
-            f"the session's saved state cannot be used: {exc}. Its files are left untouched; "
-            "DELETE /v1/sessions/{id} to start it over",
-            code="session_unresumable",
-        )
-    if isinstance(exc, (WorkerDiedError, ClientClosedError, NotReady)):
-        return APIError(
-            503,
-            f"the model worker is unavailable: {exc}",
-            type="server_error",
-            code="worker_unavailable",
-            headers=retry,
-        )
-    if isinstance(exc, MuxError):
-        return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code=getattr(exc, "code", None))
-    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+    row = error_code_of(exc)
+    if row is None:  # not a muxworker error: a bug, so the answer names only its class
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+    words = _WORDS.get(row.http_code, _Words())
+    if words.message:
+        message = words.message.format(exc=exc)
+    else:  # a server-side failure names its class, for whoever reads the log
+        message = f"{type(exc).__name__}: {exc}" if row.status >= 500 else str(exc)
+    headers = {"Retry-After": str(words.retry_after)} if words.retry_after is not None else None
+    return APIError(row.status, message, type=row.type, code=row.http_code, param=words.param, headers=headers)
 
 
 def check_session_id(value: Any, where: str = "session_id") -> str:

@@ -19,7 +19,6 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +36,9 @@ from muxworker.client.errors import (
 from muxworker.client.params import GenerationParams, GenerationResult
 from muxworker.client.runtime import RuntimeStream, SessionRuntime
 from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
+from muxworker.transport.errors import InvalidArgument
+from muxworker.worker.models.tokenizer import ChatTemplateError, Tokenizer
+from muxworker.worker.spec import WorkerSpec
 
 from .metrics import ServerMetrics
 
@@ -93,6 +95,7 @@ class SessionRecord:
     saved_tokens: int | None = None
     save_error: str | None = None
     save_failed_at: float | None = None
+    store_failed: bool = False  # the last save failed in the store (not with a dying worker)
     created: bool = False  # opened empty by this server and no turn has committed yet
 
     def as_dict(self) -> dict[str, Any]:
@@ -159,12 +162,14 @@ class ModelService:
 
     def __init__(
         self,
-        worker_command: Sequence[str],
+        spec: WorkerSpec,
         store: StoreBinding,
         metrics: ServerMetrics,
         config: ServiceConfig = ServiceConfig(),
     ) -> None:
-        self.worker_command = list(worker_command)
+        self.spec = spec
+        self.worker_command = spec.command()
+        self._tokenizer: Tokenizer | None = None  # the worker's own, loaded here: chat turns render here
         self.store = store
         self.metrics = metrics
         self.config = config
@@ -284,11 +289,12 @@ class ModelService:
             with trio.CancelScope(shield=True):
                 await client.close()
             raise
-        try:
-            self._message_tokens = await _tokens_per_message(client)
-        except Exception as exc:  # a template that cannot render empty messages: bound by count only
-            log.info("measuring a chat message's tokens: %s: %s", type(exc).__name__, exc)
-            self._message_tokens = 1
+        if self._tokenizer is None:
+            self._tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, self.spec.model_dir)
+            try:
+                self._message_tokens = _tokens_per_message(self._tokenizer)
+            except Exception as exc:  # a template that cannot render empty messages: bound by count only
+                log.info("measuring a chat message's tokens: %s: %s", type(exc).__name__, exc)
         self._client, self._runtime = client, runtime
         self._dirty.clear()  # what the dead worker held unsaved is gone with it
         self._ready.set()
@@ -476,11 +482,13 @@ class ModelService:
             self.metrics.saves.labels("failed").inc()
             record.save_error = f"{type(exc).__name__}: {exc}"[:500]
             record.save_failed_at = time.time()
+            record.store_failed = not isinstance(exc, (WorkerDiedError, ClientClosedError))
             log.error("saving session %s failed: %s", sid, record.save_error)
             return False
         self.metrics.saves.labels("ok").inc()
         self._dirty.discard(sid)
         record.save_error = record.save_failed_at = None
+        record.store_failed = False
         if written is not None:
             record.saved_tokens = written.position
         if self._quotas:
@@ -499,6 +507,7 @@ class ModelService:
         self._dirty.discard(sid)
         record = self._records.setdefault(sid, SessionRecord())
         record.save_error = record.save_failed_at = None
+        record.store_failed = False
         self.metrics.saves.labels("ok").inc()
         info = await self.session_info(sid)
         record.saved_tokens = info.tokens
@@ -558,7 +567,7 @@ class ModelService:
 
     def store_health(self) -> dict[str, Any]:
         """The store's state for ``/health``: ok, or its last failure and since when."""
-        failing = [r for r in self._records.values() if r.save_error is not None]
+        failing = [r for r in self._records.values() if r.save_error is not None and r.store_failed]
         if self.store_error is None and not failing:
             return {"status": "ok"}
         out: dict[str, Any] = {"status": "failing"}
@@ -653,9 +662,21 @@ class ModelService:
         return limit // self._message_tokens if isinstance(limit, int) else None
 
     async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        client, _ = self._live()
-        prompt = await client.apply_chat_template(messages, add_generation_prompt=True)
-        return prompt.token_ids
+        """The prompt of ``messages``, rendered here with the worker's own tokenizer and template
+        (the same files, the same code), on a thread: a turn makes one worker round trip, and a
+        long message list never holds the engine up."""
+        self._live()
+        tokenizer = self._tokenizer
+        assert tokenizer is not None  # loaded before the first worker is ready
+
+        def render() -> list[int]:
+            try:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                raise InvalidArgument(str(exc)) from None
+            return tokenizer.encode(text, parse_special=True)
+
+        return await trio.to_thread.run_sync(render)
 
     def generate(
         self, sid: str, prompt: str | list[int], params: GenerationParams, cache_salt: str
@@ -669,14 +690,18 @@ class ModelService:
 _USAGE_TTL_S = 30.0
 
 
-async def _tokens_per_message(client: MultiplexedWorkerClient) -> int:
+def _tokens_per_message(tokenizer: Tokenizer) -> int:
     """The fewest tokens one more (empty) message adds to a rendered chat: a lower bound on a
     body's prompt from its message count alone."""
-    one = await client.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=False)
-    two = await client.apply_chat_template(
-        [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}], add_generation_prompt=False
-    )
-    return max(1, len(two.token_ids) - len(one.token_ids))
+
+    def tokens(messages: list[dict[str, str]]) -> int:
+        return len(
+            tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False), parse_special=True)
+        )
+
+    one = tokens([{"role": "user", "content": ""}])
+    two = tokens([{"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
+    return max(1, two - one)
 
 
 def session_object(

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from muxworker.transport.checkpoint import (
     DEFAULT_MAX_BYTES,
     CheckpointCorrupt,
-    CheckpointError,
     CheckpointIncompatible,
     CheckpointNotFound,
     CheckpointTooLarge,
@@ -45,7 +44,14 @@ from muxworker.transport.checkpoint.segments import (
     check_chain,
     read_segment_header,
 )
-from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.errors import (  # noqa: F401  (the store's errors: local.py and objects.py raise them from here)
+    ConfigurationMismatch,
+    InvalidArgument,
+    SaveConflict,
+    StoreBusy,
+    StorePermissionError,
+    StoreUnavailable,
+)
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
@@ -71,29 +77,6 @@ DEFAULT_COMPACT_AFTER = 16
 #: own). ``block_tokens=DEFAULT_BLOCK_TOKENS`` shares prefixes on disk too. Object stores share by
 #: default (transport/checkpoint/blocks.py).
 LOCAL_BLOCK_TOKENS = 0
-
-
-class StorePermissionError(CheckpointError):
-    """The store directory is missing, a symlink, not a directory, not owned by this user, or
-    writable by group or others."""
-
-
-class ConfigurationMismatch(CheckpointIncompatible):
-    """The worker (or a checkpoint) does not run the configuration the store was created with."""
-
-
-class StoreBusy(CheckpointError):
-    """A writer holds the store, so an operation that needs it alone (``clean``) did not run."""
-
-
-class SaveConflict(CheckpointError):
-    """Another writer saved or deleted the session while this incremental save ran; save again."""
-
-
-class StoreUnavailable(CheckpointError):
-    """The store could not be reached or answered with a server/network error; the session's data is not known to be damaged."""
-
-    code = "store_unavailable"  # never on the wire: only the client's stores raise it
 
 
 @dataclass(frozen=True)

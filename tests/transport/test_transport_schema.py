@@ -24,6 +24,8 @@ from muxworker.transport import (
     hello_control,
     validate,
 )
+from muxworker.transport.errors import ERRORS, error_table
+from muxworker.transport.sampling import SamplingFields
 from muxworker.transport.schema import (
     AnyMap,
     AnyOf,
@@ -504,3 +506,23 @@ def test_bad_hellos(control, match):
 def test_protocol_doc_has_the_current_message_table():
     """docs/PROTOCOL.md embeds the output of `python -m muxworker.transport`; paste it again on change."""
     assert schema_table() in DOCS.read_text(encoding="utf-8")
+
+
+def test_protocol_doc_has_the_current_error_table():
+    """docs/PROTOCOL.md embeds the output of `python -m muxworker.transport errors`; paste it again on change."""
+    table = error_table()
+    assert table in DOCS.read_text(encoding="utf-8")
+    rows = table.splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| `{row.code}`" for row in ERRORS]
+
+
+def test_the_seed_range_is_the_one_sampling_checks():
+    """The schema bounds `seed` as SamplingFields does (the doc's table is generated from it)."""
+    base = {"kind": "generate", "id": 1, "session_id": "s", "prompt": [{"text": "hi"}]}
+    top = 2**63 - 1
+    validate({**base, "seed": top}, sender="client")
+    SamplingFields(seed=top).validate()
+    with pytest.raises(InvalidArgument, match="seed"):
+        validate({**base, "seed": top + 1}, sender="client")
+    with pytest.raises(InvalidArgument, match="seed"):
+        SamplingFields(seed=top + 1).validate()

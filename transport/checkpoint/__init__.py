@@ -8,7 +8,7 @@
 - :mod:`.identity`: :func:`checkpoint_identity` and the inputs it was computed from.
 - :mod:`.errors`: :class:`CheckpointMalformed` and :class:`CheckpointRetentionError` are the
   worker's wire error ``CheckpointRejected``; the file layer's errors derive from
-  :class:`CheckpointError`, which is not.
+  :class:`CheckpointError`, which is not (defined, with their codes, in transport/errors.py).
 """
 
 from __future__ import annotations

@@ -2,19 +2,36 @@
 
 - :class:`~muxworker.transport.errors.CheckpointRejected` (wire code ``checkpoint_rejected``): a
   checkpoint's contents are not acceptable. :class:`CheckpointMalformed` and
-  :class:`CheckpointRetentionError` are raised by the data model on either end; a worker that
-  refuses a restore sends them as ``checkpoint_rejected``, and the client raises that class.
-- :class:`CheckpointError` (never on the wire): a checkpoint file, the session store or an identity
-  check on this side failed: the file is missing, damaged, made for another model, too large, at an
-  unsafe path, or the system refused a read or write. It is not a ``CheckpointRejected``, so
+  :class:`CheckpointRetentionError`, defined here, are raised by the data model on either end; they
+  have no code of their own, so a worker that refuses a restore sends them as
+  ``checkpoint_rejected``, and the client raises that class.
+- :class:`CheckpointError`: a checkpoint file, the session store or an identity check failed: the
+  file is missing, damaged, made for another model, too large, at an unsafe path, or the system
+  refused a read or write (:class:`CheckpointWriteError`, :class:`CheckpointReadError`, whose
+  ``reason`` says why: :func:`os_failure`). A worker that reads or writes a file passed to it
+  sends each with its own code, and the reason with it. It is not a ``CheckpointRejected``, so
   ``except CheckpointRejected`` around a restore does not also catch a missing file.
+
+The file errors are defined in :mod:`muxworker.transport.errors`, with every other class that has a
+code and the table of codes (docs/PROTOCOL.md), and re-exported here.
 """
 
 from __future__ import annotations
 
 import errno
 
-from muxworker.transport.errors import CheckpointRejected, MuxError, register_error_classes
+from muxworker.transport.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointNotFound,
+    CheckpointReadError,
+    CheckpointRejected,
+    CheckpointTooLarge,
+    CheckpointUnsafePath,
+    CheckpointWriteError,
+    _OSFailure,
+)
 
 __all__ = [
     "CheckpointMalformed",
@@ -31,8 +48,8 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------
-# The data model's errors: a checkpoint that cannot be accepted (the worker's wire error)
+# The data model's errors: a checkpoint that cannot be accepted (the worker's wire error
+# ``checkpoint_rejected``).
 
 
 class CheckpointMalformed(CheckpointRejected):
@@ -41,80 +58,6 @@ class CheckpointMalformed(CheckpointRejected):
 
 class CheckpointRetentionError(CheckpointRejected):
     """A restore position is out of range, or some layer no longer retains the rows it needs."""
-
-
-# ----------------------------------------------------------------------------------------------
-# The file layer's errors (and the store's, which derive from them)
-
-
-class CheckpointError(MuxError):
-    """Base of the checkpoint file, store and identity errors. A worker that reads or writes a
-    file passed to it (save_file, restore_file) sends them with their own codes."""
-
-    code = "checkpoint_error"
-
-
-class CheckpointNotFound(CheckpointError):
-    """No checkpoint file exists at this path (or for this session id)."""
-
-    code = "checkpoint_not_found"
-
-
-class CheckpointCorrupt(CheckpointError):
-    """The file is truncated, damaged or not a checkpoint: a magic, size, structure or checksum failed."""
-
-    code = "checkpoint_corrupt"
-
-
-class CheckpointIncompatible(CheckpointError):
-    """The checkpoint was made for another model/configuration identity, format or file version."""
-
-    code = "checkpoint_incompatible"
-
-
-class CheckpointTooLarge(CheckpointError):
-    """The checkpoint's payload bytes exceed the configured ``max_bytes``."""
-
-    code = "checkpoint_too_large"
-
-
-class CheckpointUnsafePath(CheckpointError):
-    """The path is a symlink, FIFO, directory or other non-regular file, so it is not read or replaced."""
-
-    code = "checkpoint_unsafe_path"
-
-
-class _OSFailure(CheckpointError):
-    """Base of the errors that carry the operating system's reason."""
-
-    def __init__(self, message: str, *, reason: str = "os_error", errno: int | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason  # "disk_full", "read_only", "permission_denied", ... (see _REASONS)
-        self.errno = errno
-
-
-class CheckpointWriteError(_OSFailure):
-    """The system refused or failed a write (disk full, read-only, permission denied); earlier files stay."""
-
-    code = "checkpoint_write_error"
-
-
-class CheckpointReadError(_OSFailure):
-    """The system refused or failed a read of a checkpoint file (permission denied, I/O error)."""
-
-    code = "checkpoint_read_error"
-
-
-register_error_classes(
-    CheckpointError,
-    CheckpointNotFound,
-    CheckpointCorrupt,
-    CheckpointIncompatible,
-    CheckpointTooLarge,
-    CheckpointUnsafePath,
-    CheckpointWriteError,
-    CheckpointReadError,
-)
 
 
 # errno -> (reason, what to tell the user). EPERM is what root gets from an immutable (chattr +i)

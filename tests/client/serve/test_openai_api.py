@@ -4,6 +4,7 @@ what the server sends, as its client does)."""
 
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
@@ -13,13 +14,22 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from muxworker.client import (
     CapacityExhausted,
     CheckpointCorrupt,
+    CheckpointRejected,
+    CheckpointWriteError,
+    ClientClosedError,
     ContextOverflow,
+    EvictionFailed,
     GenerationResult,
     InvalidArgument,
+    NotReady,
+    StoreUnavailable,
     Unsaveable,
     WorkerDiedError,
 )
 from muxworker.serve import openai_api as oa
+from muxworker.serve.service import TenantQuotaExceeded
+from muxworker.transport.checkpoint.errors import CheckpointMalformed, os_failure
+from muxworker.transport.errors import ERRORS
 
 MODEL = "m"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -156,6 +166,46 @@ def test_error_mapping(exc, status, code):
     if status in (429, 503):
         assert err.headers["Retry-After"] == str(oa.RETRY_AFTER_S)
     assert "boom" not in err.message  # an internal error does not leak its text
+
+
+@pytest.mark.parametrize("row", ERRORS, ids=lambda row: row.code)
+def test_every_error_code_answers_with_its_rows_status_type_and_code(row):
+    err = oa.error_from_mux(row.cls("what happened"))
+    assert (err.status, err.type, err.code) == (row.status, row.type, row.http_code)
+    assert "what happened" in err.message
+    assert err.body()["error"]["code"] == row.http_code
+
+
+def test_the_servers_words_and_headers_per_code():
+    store = oa.error_from_mux(StoreUnavailable("timed out"))
+    assert store.headers == {"Retry-After": str(oa.STORE_RETRY_AFTER_S)} and "DELETE" not in store.message
+    assert "The session is kept" in store.message
+    damaged = oa.error_from_mux(CheckpointRejected("crc"))
+    assert damaged.code == "session_unresumable" and "DELETE /v1/sessions/{id}" in damaged.message
+    assert not damaged.headers
+    for exc in (NotReady("starting"), WorkerDiedError("gone"), ClientClosedError("closed"), CapacityExhausted("x")):
+        assert oa.error_from_mux(exc).headers == {"Retry-After": str(oa.RETRY_AFTER_S)}
+    assert oa.error_from_mux(CapacityExhausted("full")).message == "the server is at capacity: full"
+    assert oa.error_from_mux(ContextOverflow("long")).param == "messages"
+    # A subclass without a code of its own answers as its ancestor.
+    assert oa.error_from_mux(EvictionFailed("no slot")).code == "capacity"
+    assert oa.error_from_mux(CheckpointMalformed("bad")).code == "session_unresumable"
+
+
+def test_a_disk_full_save_is_not_called_a_damaged_session():
+    """The system refused a write: the session's files are not known to be bad, so nothing invites
+    deleting them, and the reason reaches the caller."""
+    exc = os_failure(CheckpointWriteError, OSError(errno.ENOSPC, "No space left on device"), "cannot save 's'")
+    err = oa.error_from_mux(exc)
+    assert (err.status, err.code) == (503, "checkpoint_write_error")
+    assert "disk full" in err.message and "DELETE" not in err.message
+
+
+def test_the_servers_own_limits_stay_its_own():
+    sessions = oa.error_from_mux(TenantQuotaExceeded("too many", "sessions"))
+    assert (sessions.status, sessions.type, sessions.code) == (429, "rate_limit_error", "tenant_session_limit")
+    storage = oa.error_from_mux(TenantQuotaExceeded("too big", "bytes"))
+    assert (storage.status, storage.type, storage.code) == (507, "insufficient_storage", "tenant_storage_limit")
 
 
 RESULT = GenerationResult("stop", 5, 3, 2, 4, [1, 2, 3, 4], 0.1, 0.2, committed_tokens=4)
