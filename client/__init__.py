@@ -13,9 +13,7 @@ sessions.
 
 from __future__ import annotations
 
-from muxworker.transport.prompt import SpecialText
-
-from .checkpoint import (
+from muxworker.transport.checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointIncompatible,
@@ -30,13 +28,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .client import (
-    GenerationStream,
-    MultiplexedWorkerClient,
-    default_worker_command,
-    spawn_multiplexed_worker,
-)
-from .errors import (
+from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
     ClientClosedError,
@@ -54,6 +46,14 @@ from .errors import (
     Unsaveable,
     WorkerDiedError,
     WorkerStartupError,
+)
+from muxworker.transport.prompt import SpecialText
+
+from .client import (
+    GenerationStream,
+    MultiplexedWorkerClient,
+    default_worker_command,
+    spawn_multiplexed_worker,
 )
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
 from .runtime import EvictionFailed, RuntimeGenerationResult, RuntimeStream, SessionRuntime

@@ -41,14 +41,13 @@ import numpy as np
 import trio
 
 from muxworker.transport.checkpoint import CPUCheckpoint
-from muxworker.transport.errors import InvalidArgument, MuxError
+from muxworker.transport.errors import ClientClosedError, ContextOverflow, InvalidArgument, MuxError, WorkerStartupError
 from muxworker.transport.framing import attach_payload
 from muxworker.transport.messages import GenerateRequest, GenerationResult, WorkerInfo
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 from .connection import LOSS_SETTLE_S, Connection, Request, fresh
-from .errors import ClientClosedError, ContextOverflow, WorkerStartupError
 from .params import ChatPrompt, params_to_wire
 from .process import WorkerProcess, default_worker_command, heartbeat_args
 from .sessions import (

@@ -32,14 +32,20 @@ from typing import Any, Protocol
 
 import trio
 
-from muxworker.transport.errors import InvalidArgument, MuxError, ProtocolError, error_from_wire
+from muxworker.transport.errors import (
+    ClientClosedError,
+    InvalidArgument,
+    MuxError,
+    ProtocolError,
+    SlowConsumer,
+    WorkerDiedError,
+    error_from_wire,
+)
 from muxworker.transport.fdpass import send_files
 from muxworker.transport.framing import Frame, payload_array
 from muxworker.transport.messages import GenerationResult
 from muxworker.transport.schema import validate
 from muxworker.transport.trio_stream import TrioFrameReader, TrioFrameWriter
-
-from .errors import ClientClosedError, SlowConsumer, WorkerDiedError
 
 __all__ = ["Connection", "Peer", "NoPeer", "ABANDONED", "LOSS_SETTLE_S"]
 

@@ -22,14 +22,12 @@ from typing import Any
 
 import trio
 
-from muxworker.transport.errors import ProtocolError
+from muxworker.transport.errors import ProtocolError, WorkerStartupError
 from muxworker.transport.fdio import WorkerPipes
 from muxworker.transport.fdpass import FileChannelPair
 from muxworker.transport.messages import WorkerInfo
 from muxworker.transport.schema import check_hello
 from muxworker.transport.trio_stream import TrioFrameReader
-
-from .errors import WorkerStartupError
 
 __all__ = ["WorkerProcess", "default_worker_command", "WORKER_LOG", "KILL_GRACE", "STDERR_TAIL_LINES"]
 

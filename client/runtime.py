@@ -54,9 +54,8 @@ from typing import Any
 
 import trio
 
-from .checkpoint import CPUCheckpoint
-from .client import DEFAULT_STREAM_BUFFER, GenerationStream, MultiplexedWorkerClient
-from .errors import (
+from muxworker.transport.checkpoint import CPUCheckpoint
+from muxworker.transport.errors import (
     CapacityExhausted,
     ClientClosedError,
     InvalidArgument,
@@ -68,6 +67,8 @@ from .errors import (
     Unsaveable,
     WorkerDiedError,
 )
+
+from .client import DEFAULT_STREAM_BUFFER, GenerationStream, MultiplexedWorkerClient
 from .params import GenerationResult, RuntimeGenerationResult, params_to_wire
 from .sessions import SaveResult
 

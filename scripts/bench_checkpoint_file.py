@@ -20,8 +20,13 @@ import time
 
 import numpy as np
 
-from muxworker.client.checkpoint import CPUCheckpoint, LayerState, load_checkpoint, save_checkpoint
-from muxworker.transport.checkpoint import checkpoint_to_wire
+from muxworker.transport.checkpoint import (
+    CPUCheckpoint,
+    LayerState,
+    checkpoint_to_wire,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 

@@ -27,9 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from muxworker.client.checkpoint import CheckpointNotFound
-from muxworker.client.errors import MuxError
 from muxworker.client.runtime import RuntimeStream
+from muxworker.transport.checkpoint import CheckpointNotFound
+from muxworker.transport.errors import MuxError
 
 from . import openai_api as oa
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics

@@ -24,19 +24,19 @@ from typing import Any
 
 import trio
 
-from muxworker.client.checkpoint import CheckpointNotFound
 from muxworker.client.client import MultiplexedWorkerClient, spawn_multiplexed_worker
-from muxworker.client.errors import (
+from muxworker.client.params import GenerationParams, GenerationResult
+from muxworker.client.runtime import RuntimeStream, SessionRuntime
+from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
+from muxworker.transport.checkpoint import CheckpointNotFound
+from muxworker.transport.errors import (
     ClientClosedError,
+    InvalidArgument,
     NotReady,
     SessionExists,
     Unsaveable,
     WorkerDiedError,
 )
-from muxworker.client.params import GenerationParams, GenerationResult
-from muxworker.client.runtime import RuntimeStream, SessionRuntime
-from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
-from muxworker.transport.errors import InvalidArgument
 from muxworker.worker.models.tokenizer import ChatTemplateError, Tokenizer
 from muxworker.worker.spec import WorkerSpec
 

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import muxworker.transport.checkpoint.file as ckfile
-from muxworker.client.checkpoint import (
+from muxworker.native import crc32c
+from muxworker.transport.checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointIncompatible,
@@ -29,7 +30,6 @@ from muxworker.client.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from muxworker.native import crc32c
 from muxworker.transport.errors import CheckpointRejected, InvalidArgument, MuxError, error_from_wire
 from muxworker.transport.schema import error_control
 
@@ -508,7 +508,7 @@ def test_truncating_the_file_after_loading_does_not_crash_the_process(saved):
     script = textwrap.dedent(
         f"""
         import os
-        from muxworker.client.checkpoint import load_checkpoint
+        from muxworker.transport.checkpoint import load_checkpoint
         loaded = load_checkpoint({str(path)!r})
         expected = [layer.keys.tobytes() + layer.values.tobytes() for layer in loaded.layers]
         os.truncate({str(path)!r}, 0)

@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from muxworker.client.connection import Connection
-from muxworker.client.errors import ClientClosedError, SessionBusy, SlowConsumer, WorkerDiedError
+from muxworker.transport.errors import ClientClosedError, SessionBusy, SlowConsumer, WorkerDiedError
 from muxworker.transport.framing import Frame, attach_payload
 from muxworker.transport.messages import RESULT_FIELDS, GenerationResult
 from muxworker.transport.trio_stream import TrioFrameReader, TrioFrameWriter

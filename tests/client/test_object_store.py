@@ -35,10 +35,10 @@ from muxworker.client import (
     open_store,
     spawn_multiplexed_worker,
 )
-from muxworker.client.checkpoint import CheckpointIncompatible
 from muxworker.client.stores import StorePermissionError, StoreUnavailable, session_hash
 from muxworker.client.stores.objects import connect
 from muxworker.native import crc32c
+from muxworker.transport.checkpoint import CheckpointIncompatible
 from muxworker.transport.checkpoint.segments import write_checkpoint_segment
 
 obstore = pytest.importorskip("obstore")

@@ -7,8 +7,8 @@ import os
 import pytest
 
 import muxworker.transport.fdio as fdio
-from muxworker.client.errors import WorkerStartupError
 from muxworker.client.process import WorkerProcess, heartbeat_args
+from muxworker.transport.errors import WorkerStartupError
 from muxworker.transport.fdio import WorkerPipes
 
 

@@ -14,7 +14,10 @@ import pytest
 import trio
 from helpers.fs import place_unusable, tmpfs
 
-from muxworker.client.checkpoint import (
+from muxworker.client.params import ModelInfo, WorkerInfo
+from muxworker.client.stores import ConfigurationMismatch, SessionStore, StorePermissionError, StoreUnavailable
+from muxworker.native import crc32c
+from muxworker.transport.checkpoint import (
     CheckpointCorrupt,
     CheckpointIncompatible,
     CheckpointNotFound,
@@ -26,9 +29,6 @@ from muxworker.client.checkpoint import (
     LayerState,
     checkpoint_identity,
 )
-from muxworker.client.params import ModelInfo, WorkerInfo
-from muxworker.client.stores import ConfigurationMismatch, SessionStore, StorePermissionError, StoreUnavailable
-from muxworker.native import crc32c
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES, validate
 
@@ -413,7 +413,7 @@ CHILD = textwrap.dedent(
     import os, sys, time
     import numpy as np
     from muxworker.client.stores import SessionStore
-    from muxworker.client.checkpoint import CPUCheckpoint, LayerState
+    from muxworker.transport.checkpoint import CPUCheckpoint, LayerState
 
     path, identity = sys.argv[1], sys.argv[2]
     store = SessionStore(path, identity=identity)
