@@ -430,8 +430,9 @@ MESSAGES: dict[str, MessageSpec] = {
         "`base.position` when the session's slot still holds what the store's save `base.tag` holds up "
         "to there, else all; with `base.block_tokens`, from `base.block_start` instead when the new "
         "rows would cross a block boundary (a store saving content-addressed blocks). "
-        "The session remembers `tag` as its new base. Reply: ok with `value` {start, position, "
-        "file_length, header_crc, payload_bytes}.",
+        "The session remembers `tag` as its new base. The worker writes on its I/O thread while other "
+        "sessions go on; until the reply, any request on this session is `session_busy`. Reply: ok "
+        "with `value` {start, position, file_length, header_crc, payload_bytes}.",
         {
             "session_id": SESSION_ID,
             "fds": Int(1, 1),
@@ -447,7 +448,8 @@ MESSAGES: dict[str, MessageSpec] = {
         "Restore a saved session into an unused session id from the files passed with this request "
         "(`fds` of them): the segments `segments` of a session manifest (docs/CHECKPOINT_FORMAT.md), "
         "verified before the session is published, which then remembers `tag` as its base; or, with "
-        "`legacy`, one version 1 or 2 checkpoint file. Reply: ok with `value` {position}.",
+        "`legacy`, one version 1 or 2 checkpoint file. The files are read on the worker's I/O thread; "
+        "until the reply the id is `session_busy`. Reply: ok with `value` {position}.",
         {
             "session_id": SESSION_ID,
             "fds": Int(1, MAX_PASSED_FDS),

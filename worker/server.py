@@ -2,7 +2,7 @@
 
 Threads, and who owns what:
 
-- The **main thread** runs the engine loop. It is the only thread that touches the engine, and it
+- The **main thread** runs the engine loop. It is the only thread that calls the engine, and it
   writes every reply.
 - The **reader thread** reads frames from the control pipe, checks each against the schema and puts
   it on the inbox. It never touches the engine. The inbox is bounded (:class:`_Inbox`): when the
@@ -10,27 +10,35 @@ Threads, and who owns what:
   wait, so a client that sends without reading replies cannot grow the worker's memory.
 - The **heartbeat thread** (only with ``--heartbeat_ms N``, which protocol 1.1 clients pass) writes a
   ``heartbeat`` frame when nothing else was written for N ms while the worker is busy (the engine
-  thread is handling messages or stepping, or a frame is half read). It writes from its own thread so
-  that a long forward pass cannot starve it. Writes of the two threads are serialized by
-  ``_write_lock``; a heartbeat is skipped while the engine thread holds it (bytes are moving then).
+  thread is handling messages or stepping, a checkpoint file is being written or read, or a frame is
+  half read). It writes from its own thread so that a long forward pass cannot starve it. Writes of
+  the two threads are serialized by ``_write_lock``; a heartbeat is skipped while the engine thread
+  holds it (bytes are moving then).
+- The **I/O thread** writes and fsyncs checkpoint files (``save_file``) and reads them
+  (``restore_file``), so no other session's tokens wait for a disk. The engine thread plans each job
+  (engine/checkpoint_files.py: the session is busy, or a slot reserved, meanwhile), the I/O thread
+  runs it and puts an :class:`_IoDone` on the inbox, and the engine thread finishes it and replies.
 
 The engine loop drains the inbox between steps, so a cancel or an open that arrives during a step is
 handled right after that step; it steps while there is work and blocks on the inbox when idle.
 Token deltas go out as ``token`` frames in the order the engine produced them, so each request's
 output stays in order; its ``done`` (or ``error``) frame comes last.
 
-Exit: EOF on the control pipe, SIGTERM or SIGINT settle every request (``engine.shutdown()``, their
-results are sent) and exit 0. A broken frame stream exits :data:`EXIT_PROTOCOL` and a failed engine
-loop :data:`EXIT_INTERNAL` (readiness ``failed``); then nothing in flight is settled on the wire, so
-the client fails every pending stream with ``WorkerDiedError`` and never mistakes the death for a
-normal finish: only requests still queued, never seen by the engine, are answered (``not_ready``;
-``info`` is answered), then an ``error`` frame (id 0) gives the reason. A model that fails to load
-sends an ``error`` frame (id 0) and exits :data:`EXIT_STARTUP`.
+Exit: EOF on the control pipe, SIGTERM or SIGINT settle every request (checkpoint files in flight
+are finished first, then ``engine.shutdown()``; their results are sent) and exit 0. A broken frame
+stream exits :data:`EXIT_PROTOCOL` and a failed engine loop :data:`EXIT_INTERNAL` (readiness
+``failed``); then nothing in flight is settled on the wire, so the client fails every pending
+stream with ``WorkerDiedError`` and never mistakes the death for a normal finish: only requests
+still queued, never seen by the engine, are answered (``not_ready``; ``info`` is answered), then an
+``error`` frame (id 0) gives the reason. A model that fails to load sends an ``error`` frame (id 0)
+and exits :data:`EXIT_STARTUP`. Checkpoint files in flight are completed before any exit; a worker
+killed meanwhile leaves a segment no manifest names, which the store collects.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import queue
@@ -41,6 +49,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +73,7 @@ from muxworker.worker.models.args import ConfigError
 from muxworker.worker.options import UsageError, build_parser, parse_args
 
 if TYPE_CHECKING:
+    from muxworker.transport.checkpoint import CPUCheckpoint
     from muxworker.worker.engine import Engine, EngineOutput
 
 __all__ = [
@@ -88,6 +98,10 @@ _STEP_WINDOW = 1024  # recent step durations kept for ``info``'s percentiles
 # _INBOX_BYTES plus one frame (which its kind's frame limit bounds).
 _INBOX_FRAMES = 256
 _INBOX_BYTES = 8 * MiB
+# While the engine steps, the I/O thread works on a checkpoint file in bursts of about
+# _IO_BURST_S and pauses _IO_PAUSE_S after each (see _pace).
+_IO_BURST_S = 0.0002
+_IO_PAUSE_S = 0.0015
 
 
 def _log(message: str) -> None:
@@ -114,18 +128,32 @@ class _Stop:
     reason: str | None = None  # logged to stderr (and sent as an error frame when code != 0)
 
 
+@dataclass(frozen=True)
+class _IoDone:
+    """A checkpoint file job has ended on the I/O thread: the engine thread closes ``fds`` and
+    replies with what ``finish(future)`` returns (or raises)."""
+
+    request_id: int
+    kind: str
+    fds: list[int]
+    future: Future[Any]
+    finish: Callable[[Future[Any]], dict[str, Any]]
+
+
 _EOF = _Stop(EXIT_OK)
-_Item = Frame | _Rejected | _Stop
+_Item = Frame | _Rejected | _Stop | _IoDone
 
 
 class _Inbox:
-    """The engine thread's queue: frames from the reader thread (bounded), stops from anywhere.
+    """The engine thread's queue: frames from the reader thread (bounded), stops from anywhere,
+    ended jobs from the I/O thread.
 
     The reader thread calls :meth:`wait_for_room` before it reads each frame, so at most
     ``max_frames`` frames or ``max_bytes`` payload bytes wait here (plus the frame read last); the
-    rest stays in the control pipe, whose writer then blocks. Stops are never bounded: a signal
-    handler or the reader's last word must always get through, and ``SimpleQueue.put`` is safe in
-    a signal handler (it takes no lock that the interrupted engine thread could hold).
+    rest stays in the control pipe, whose writer then blocks. Stops and ended jobs are never
+    bounded: a signal handler, the reader's last word or the I/O thread must always get through, and
+    ``SimpleQueue.put`` is safe in a signal handler (it takes no lock that the interrupted engine
+    thread could hold).
     """
 
     def __init__(self, max_frames: int = _INBOX_FRAMES, max_bytes: int = _INBOX_BYTES) -> None:
@@ -148,8 +176,8 @@ class _Inbox:
             self._bytes += nbytes
         self._queue.put((item, nbytes))
 
-    def put_stop(self, stop: _Stop) -> None:
-        self._queue.put((stop, -1))
+    def put_event(self, item: _Stop | _IoDone) -> None:
+        self._queue.put((item, -1))
 
     def get(self, block: bool = True) -> _Item:
         """Engine thread: the next item (raises queue.Empty when ``block`` is false and none waits)."""
@@ -198,6 +226,14 @@ class WorkerServer:
         # session's request, and its done should reach the client before the ok.
         self._deferred: list[Frame] = []
         self._reply_broken: BaseException | None = None
+        # Checkpoint file jobs run here (see the module docstring). One thread: a client sends one
+        # checkpoint operation at a time (its CheckpointQueue), so a second would only sit idle.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="muxworker-io")
+        self._io_pending = 0  # jobs submitted whose _IoDone the engine thread has not handled yet
+        # Set by the engine thread around each step, read by the I/O thread (_pace); a stale read
+        # costs one pause, or one slice written during a step.
+        self._stepping = False
+        self._io_burst = 0.0  # when the I/O thread's current burst began; I/O thread only
         self._steps = 0
         self._step_time_s = 0.0
         self._recent_steps: deque[float] = deque(maxlen=_STEP_WINDOW)
@@ -251,7 +287,7 @@ class WorkerServer:
             # Block only when idle; otherwise take what has arrived and step again.
             item: _Item | None = None
             if not engine.has_work():
-                self._busy = False
+                self._busy = self._io_pending > 0  # the client waits for those replies meanwhile
                 item = self._inbox.get()
                 self._busy = True
             while True:
@@ -269,7 +305,11 @@ class WorkerServer:
 
     def _step(self) -> list[EngineOutput]:
         t0 = time.perf_counter()
-        outputs = self._engine.step()
+        self._stepping = True
+        try:
+            outputs = self._engine.step()
+        finally:
+            self._stepping = False
         dt = time.perf_counter() - t0
         self._steps += 1
         self._step_time_s += dt
@@ -285,6 +325,7 @@ class WorkerServer:
         if stop.reason:
             _log(stop.reason)
         if stop.code == EXIT_OK:
+            self._finish_io()
             try:
                 outputs = self._engine.shutdown()
             except Exception:
@@ -292,6 +333,7 @@ class WorkerServer:
                 outputs = []
             self._send_outputs(outputs)
         else:
+            self._io.shutdown(wait=True)  # writes in flight complete, unanswered like every call in flight
             self._deferred = []  # replies to calls whose effect the client can no longer rely on
             self._refuse_queued(stop)
             exc = ProtocolError(stop.reason or "") if stop.code == EXIT_PROTOCOL else InternalError(stop.reason or "")
@@ -299,6 +341,15 @@ class WorkerServer:
         self._stopping.set()
         with self._write_lock:
             self._writer.close()
+
+    def _finish_io(self) -> None:
+        """After a clean stop: wait for the checkpoint file jobs in flight and finish and answer
+        each. Frames that arrive meanwhile are dropped, as every frame after a stop is."""
+        while self._io_pending:
+            item = self._inbox.get()
+            if isinstance(item, _IoDone):
+                self._handle(item)
+        self._io.shutdown()
 
     def _refuse_queued(self, stop: _Stop) -> None:
         """After a failure: answer what is still queued (the engine never saw it) with not_ready,
@@ -319,7 +370,7 @@ class WorkerServer:
                     self._write(Frame(error_control(item.control["id"], why)))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self._inbox.put_stop(_Stop(EXIT_OK, f"received {signal.Signals(signum).name}; shutting down"))
+        self._inbox.put_event(_Stop(EXIT_OK, f"received {signal.Signals(signum).name}; shutting down"))
 
     # -- heartbeat thread -----------------------------------------------------------------
 
@@ -365,11 +416,11 @@ class WorkerServer:
                     continue
                 inbox.put_frame(frame)
         except ProtocolError as exc:
-            inbox.put_stop(_Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
+            inbox.put_event(_Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
         except Exception as exc:
-            inbox.put_stop(_Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
+            inbox.put_event(_Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
         else:
-            inbox.put_stop(_EOF)
+            inbox.put_event(_EOF)
 
     # -- messages -------------------------------------------------------------------------
 
@@ -379,17 +430,54 @@ class WorkerServer:
         if isinstance(item, _Rejected):
             self._write(Frame(error_control(item.request_id, item.error)))
             return None
-        control = item.control
-        rid = control["id"]
+        if isinstance(item, _IoDone):
+            self._io_pending -= 1
+            rid, kind = item.request_id, item.kind
+            call = functools.partial(self._io_done, item)
+        else:
+            rid, kind = item.control["id"], item.control["kind"]
+            call = functools.partial(self._handlers[kind], rid, item.control, item)
         try:
-            self._handlers[control["kind"]](rid, control, item)
+            call()
         except MuxError as exc:
             self._write(Frame(error_control(rid, exc)))
         except Exception as exc:
             # A bug in a handler ends that request only; the traceback goes to stderr.
-            _log(f"request {rid} ({control['kind']}) failed:\n" + traceback.format_exc())
+            _log(f"request {rid} ({kind}) failed:\n" + traceback.format_exc())
             self._write(Frame(error_control(rid, InternalError(f"{type(exc).__name__}: {exc}"))))
         return None
+
+    def _start_io(
+        self,
+        rid: int,
+        kind: str,
+        fds: list[int],
+        work: Callable[[], Any],
+        finish: Callable[[Future[Any]], dict[str, Any]],
+    ) -> None:
+        """Run ``work`` on the I/O thread; once it has ended, the engine thread closes ``fds`` and
+        replies with what ``finish(future)`` returns (:meth:`_io_done`)."""
+        future = self._io.submit(work)
+        self._io_pending += 1
+        future.add_done_callback(lambda f: self._inbox.put_event(_IoDone(rid, kind, fds, f, finish)))
+
+    def _pace(self) -> None:
+        """I/O thread, after each slice of a checkpoint file it checksums, writes or reads: while the
+        engine steps, work in short bursts with pauses between them (about an eighth of one core).
+
+        A forward pass runs as many torch threads as there are cores, and each of its parallel
+        regions waits for its slowest thread, so a thread that holds a core meanwhile (copying rows
+        into the page cache, checksumming them) stalls every region it overlaps: on 2 cores one
+        88 MB write in one go stretched a 20 ms decode step to 300 ms (scripts/bench_save_stall.py).
+        With no step running the job goes at full speed."""
+        if self._stepping and time.perf_counter() - self._io_burst >= _IO_BURST_S:
+            time.sleep(_IO_PAUSE_S)
+            self._io_burst = time.perf_counter()
+
+    def _io_done(self, item: _IoDone) -> None:
+        for fd in item.fds:
+            os.close(fd)
+        self._write(self._ok(item.request_id, item.finish(item.future)))
 
     def _ok(self, rid: int, value: dict[str, Any] | None = None) -> Frame:
         control: dict[str, Any] = {"kind": "ok", "id": rid}
@@ -474,10 +562,11 @@ class WorkerServer:
     def _save_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         from muxworker.worker.engine.checkpoint_files import SaveBase
 
+        engine = self._engine
         (fd,) = self._passed_files(rid, control["fds"])
+        base = control["base"]
         try:
-            base = control["base"]
-            value = self._engine.save_file(
+            job = engine.begin_save(
                 control["session_id"],
                 fd,
                 tag=control["tag"],
@@ -487,51 +576,61 @@ class WorkerServer:
                 identity=control["identity"],
                 max_bytes=control["max_bytes"],
             )
-        finally:
+        except BaseException:
             os.close(fd)
-        self._write(self._ok(rid, value))
+            raise
+        write = functools.partial(job.write, self._pace)
+        self._start_io(rid, "save_file", [fd], write, lambda f: engine.finish_save(job, f.exception()))
 
     def _restore_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         from muxworker.transport.checkpoint.file import read_checkpoint_file
         from muxworker.transport.checkpoint.segments import SegmentRef
 
+        engine = self._engine
         fds = self._passed_files(rid, control["fds"])
         sid = control["session_id"]
         try:
             if control.get("legacy"):
                 if len(fds) != 1:
                     raise InvalidArgument("a legacy checkpoint file is one file")
-                _, checkpoint = read_checkpoint_file(
+                load = functools.partial(
+                    read_checkpoint_file,
                     f"the saved file of session {sid!r}",
                     fd=fds[0],
                     expected_identity=control["identity"],
                     max_bytes=control["max_bytes"],
                 )
-                assert checkpoint is not None
-                self._engine.restore_checkpoint(sid, checkpoint)
-                position = checkpoint.position
-            else:
-                refs = [
-                    SegmentRef(
-                        r["name"], r["start"], r["end"], r["file_length"], r["header_crc"], r.get("shared", False)
-                    )
-                    for r in control.get("segments", [])
-                ]
-                if "tag" not in control:
-                    raise InvalidArgument("restore_file of segments needs the manifest's tag")
-                position = self._engine.restore_files(
-                    sid,
-                    fds,
-                    refs,
-                    tag=control["tag"],
-                    identity=control["identity"],
-                    max_bytes=control["max_bytes"],
-                    saved_id=control.get("saved_id"),
-                )
-        finally:
+                self._start_io(rid, "restore_file", fds, load, lambda f: self._restore_legacy(sid, f.result()[1]))
+                return
+            refs = [
+                SegmentRef(r["name"], r["start"], r["end"], r["file_length"], r["header_crc"], r.get("shared", False))
+                for r in control.get("segments", [])
+            ]
+            if "tag" not in control:
+                raise InvalidArgument("restore_file of segments needs the manifest's tag")
+            job = engine.begin_restore(
+                sid,
+                fds,
+                refs,
+                tag=control["tag"],
+                identity=control["identity"],
+                max_bytes=control["max_bytes"],
+                saved_id=control.get("saved_id"),
+            )
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-        self._write(self._ok(rid, {"position": position}))
+            raise
+        read = functools.partial(job.read, self._pace)
+        self._start_io(
+            rid, "restore_file", fds, read, lambda f: {"position": engine.finish_restore(job, f.exception())}
+        )
+
+    def _restore_legacy(self, sid: str, checkpoint: CPUCheckpoint | None) -> dict[str, Any]:
+        """A legacy (single-file) checkpoint read on the I/O thread: restored here, on the engine thread."""
+        assert checkpoint is not None
+        self._engine.restore_checkpoint(sid, checkpoint)
+        return {"position": checkpoint.position}
 
     def _info(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         value = {k: v for k, v in self._hello.items() if k != "kind"}

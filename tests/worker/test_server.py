@@ -6,6 +6,7 @@ they cover what the trio client never sends: malformed frames, bad flags, signal
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import signal
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
+from muxworker.transport.fdpass import FileChannelPair, send_files
 from muxworker.transport.framing import (
     HEADER_SIZE,
     MAGIC,
@@ -40,14 +42,22 @@ HANG_GUARD_S = 60.0  # generous: the machine is shared; a timeout here means a h
 class RawWorker:
     """A worker subprocess with the test holding the other ends of its two protocol pipes."""
 
-    def __init__(self, args: list[str], tmp_path: Path, *, hello: bool = True, command: list[str] = WORKER):
+    def __init__(
+        self,
+        args: list[str],
+        tmp_path: Path,
+        *,
+        hello: bool = True,
+        command: list[str] = WORKER,
+        pass_fds: tuple[int, ...] = (),
+    ):
         control_read, self.control_write = os.pipe()
         self.reply_read, reply_write = os.pipe()
         self.stderr_path = tmp_path / f"worker-{id(self)}.stderr"
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [*command, *args, "--control-fd", str(control_read), "--reply-fd", str(reply_write)],
-                pass_fds=(control_read, reply_write),
+                pass_fds=(control_read, reply_write, *pass_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=err,
                 stderr=err,
@@ -402,6 +412,142 @@ def test_export_restore_round_trip_over_the_wire(model, tmp_path):
         )
         assert w.final(6)["code"] == "checkpoint_rejected"
         w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint files, on the I/O thread
+
+
+class FileWorker(RawWorker):
+    """A RawWorker with a file channel: checkpoint files are passed as open descriptors."""
+
+    def __init__(self, model: str, tmp_path: Path):
+        self.channel = FileChannelPair()
+        super().__init__(_args(model, *self.channel.worker_args()), tmp_path, pass_fds=self.channel.pass_fds)
+        self.channel.close_worker_end()
+        assert self.hello is not None and self.hello.control["files"]
+
+    def save_file(self, rid: int, sid: str, fd: int, tag: str = "t1") -> None:
+        assert self.channel.client is not None
+        send_files(self.channel.client, rid, [fd])
+        self.send(
+            {
+                "kind": "save_file",
+                "id": rid,
+                "session_id": sid,
+                "fds": 1,
+                "tag": tag,
+                "base": None,
+                "identity": "test",
+                "max_bytes": 1 << 40,
+            }
+        )
+
+    def restore_file(self, rid: int, sid: str, path: Path, saved: dict, saved_id: str) -> None:
+        assert self.channel.client is not None
+        fd = os.open(path, os.O_RDONLY)
+        send_files(self.channel.client, rid, [fd])
+        os.close(fd)
+        ref = {k: saved[k] for k in ("file_length", "header_crc")}
+        segment = {"name": path.name, "start": 0, "end": saved["position"], **ref}
+        self.send(
+            {
+                "kind": "restore_file",
+                "id": rid,
+                "session_id": sid,
+                "fds": 1,
+                "identity": "test",
+                "max_bytes": 1 << 40,
+                "tag": "t1",
+                "saved_id": saved_id,
+                "segments": [segment],
+            }
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.channel.close()
+
+
+def _stalled_file() -> tuple[int, int]:
+    """A pipe as a segment file: its writer blocks once 4 KiB wait unread (so a save stays in flight
+    until the test drains it), and its fsync then fails (EINVAL: a pipe cannot be synced)."""
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    return read_end, write_end
+
+
+def _drain(fd: int) -> threading.Thread:
+    def drain() -> None:
+        while os.read(fd, 1 << 16):
+            pass
+        os.close(fd)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_save_in_flight_holds_up_only_its_own_session(model, tmp_path):
+    with FileWorker(model, tmp_path) as w:
+        for rid, sid in ((1, "a"), (2, "b")):
+            w.send({"kind": "open", "id": rid, "session_id": sid})
+        w.send(*_generate(3, "a", list(range(3, 120)), max_new_tokens=1))
+        assert w.final(3)["kind"] == "done"
+        read_end, write_end = _stalled_file()
+        w.save_file(4, "a", write_end)
+        os.close(write_end)
+        w.send(*_generate(5, "b", [5, 6, 7], max_new_tokens=20))
+        w.send(*_generate(6, "a", [5, 6, 7]))
+        w.send({"kind": "close", "id": 7, "session_id": "a"})
+        # The save's write waits on the full pipe; the other session streams all of its tokens and
+        # the saved one refuses what would touch its rows, before the save's reply.
+        tokens, done = w.collect(5)[5]
+        assert done.control["kind"] == "done" and sum(len(t.control["token_ids"]) for t in tokens) == 20
+        assert w.final(6)["code"] == "session_busy"
+        assert w.final(7)["code"] == "session_busy"
+        assert 4 not in w._finals
+        drainer = _drain(read_end)
+        failed = w.final(4)  # every byte written, then the fsync failed
+        drainer.join(HANG_GUARD_S)
+        assert failed["code"] == "checkpoint_write_error" and "cannot save session 'a'" in failed["message"]
+        # Idle again: it generates, saves into a real file, and that file restores bit for bit.
+        w.send(*_generate(8, "a", list(range(3, 120)) + [9, 10], max_new_tokens=2))
+        assert w.final(8)["kind"] == "done"
+        path = tmp_path / "a.mxseg"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        w.save_file(9, "a", fd)
+        os.close(fd)
+        saved = w.final(9)["value"]
+        assert (saved["start"], saved["position"]) == (0, 117 + 2 + 2 - 1)
+        w.restore_file(10, "r", path, saved, "a")
+        assert w.final(10)["value"] == {"position": saved["position"]}
+        exported = []
+        for rid, sid in ((11, "a"), (12, "r")):
+            w.send({"kind": "export", "id": rid, "session_id": sid})
+            frame = w.collect(rid)[rid][1]
+            exported.append([bytes(p) for p in frame.payloads])
+        assert exported[0] == exported[1]
+        w.close_control()
+        assert w.wait() == EXIT_OK
+
+
+def test_eof_waits_for_a_save_in_flight_and_answers_it(model, tmp_path):
+    with FileWorker(model, tmp_path) as w:
+        w.send({"kind": "open", "id": 1, "session_id": "a"})
+        w.send(*_generate(2, "a", list(range(3, 120)), max_new_tokens=1))
+        assert w.final(2)["kind"] == "done"
+        read_end, write_end = _stalled_file()
+        w.save_file(3, "a", write_end)
+        os.close(write_end)
+        w.close_control()
+        time.sleep(0.5)
+        assert w.proc.poll() is None  # still writing
+        drainer = _drain(read_end)
+        assert w.final(3)["code"] == "checkpoint_write_error"
+        drainer.join(HANG_GUARD_S)
+        assert w.read() is None
         assert w.wait() == EXIT_OK
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,6 @@ from .file import (
     _payload_table,
     _read_exact,
     _read_manifest,
-    _write_all,
     fstat_regular,
 )
 from .identity import IdentityInputs
@@ -110,6 +109,7 @@ _REF_KEYS = {"name", "start", "end", "file_length", "header_crc"}
 _SHARED_REF_KEYS = _REF_KEYS | {"shared"}
 _MAX_NAME = 255
 _MAX_POSITION = (1 << 31) - 1
+_SLICE = 256 * 1024  # bytes checksummed, written or read at a time (then a caller's pace is called)
 
 
 def _int(value: Any, where: str, lo: int = 0, hi: int = 1 << 63) -> int:
@@ -279,11 +279,36 @@ def _views_nbytes(views: Sequence[memoryview]) -> int:
     return sum(v.nbytes for v in views)
 
 
-def _crc_of(views: Sequence[memoryview]) -> int:
+def _crc_of(views: Sequence[memoryview], pace: Callable[[], None] | None = None) -> int:
+    """The CRC32C of the bytes ``views`` concatenate to (byte views), 256 KiB at a time."""
     crc = 0
     for view in views:
-        crc = crc32c(view, crc)
+        for lo in range(0, view.nbytes, _SLICE):
+            crc = crc32c(view[lo : lo + _SLICE], crc)
+            if pace is not None:
+                pace()
     return crc
+
+
+def _first_slice(pending: Sequence[memoryview]) -> list[memoryview]:
+    """The first 256 KiB of ``pending`` (in at most 512 views): one gather call's worth."""
+    batch: list[memoryview] = []
+    room = _SLICE
+    for view in pending[:512]:
+        batch.append(view[:room])
+        room -= batch[-1].nbytes
+        if not room:
+            break
+    return batch
+
+
+def _write_sliced(fd: int, buffers: Sequence[memoryview | bytes], pace: Callable[[], None] | None) -> None:
+    """writev every buffer completely, at most 256 KiB a call (writev may also write less)."""
+    pending = [memoryview(b) for b in buffers if len(b)]
+    while pending:
+        _advance(pending, os.writev(fd, _first_slice(pending)))
+        if pace is not None:
+            pace()
 
 
 @dataclass
@@ -307,12 +332,16 @@ def write_segment(
     start: int,
     token_ids: np.ndarray,
     layers: Sequence[LayerRows],
+    pace: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Write one segment into the empty file ``fd`` and fsync it; return (file length, header CRC).
 
     ``token_ids`` are positions ``[start, end)`` (int32). Every view is written as it is, from the
-    caller's memory (gather writes, no concatenation). Raises OSError as the system does (the
-    caller names the file) and :class:`CheckpointMalformed` for rows that contradict the geometry.
+    caller's memory (gather writes, no concatenation), 256 KiB at a time. ``pace``:
+    called after each slice checksummed or written, for a writer that shares the cores with work
+    that must not wait (the worker's I/O thread pauses there while sessions decode). Raises OSError
+    as the system does (the caller names the file) and :class:`CheckpointMalformed` for rows that
+    contradict the geometry.
     """
     plan = plan_segment(
         session_id=session_id,
@@ -322,8 +351,9 @@ def write_segment(
         start=start,
         token_ids=token_ids,
         layers=layers,
+        pace=pace,
     )
-    _write_all(fd, plan.buffers)
+    _write_sliced(fd, plan.buffers, pace)
     os.fsync(fd)
     return plan.file_length, plan.header_crc
 
@@ -338,9 +368,11 @@ def plan_segment(
     token_ids: np.ndarray,
     layers: Sequence[LayerRows],
     crcs: Sequence[int] | None = None,
+    pace: Callable[[], None] | None = None,
 ) -> SegmentPlan:
     """Lay out one segment (as :func:`write_segment` writes it) without writing it. ``crcs``: the
-    payloads' CRC32Cs when the caller has them already."""
+    payloads' CRC32Cs when the caller has them already (else computed, calling ``pace`` as
+    :func:`write_segment` says)."""
     tokens = np.ascontiguousarray(token_ids, dtype=np.int32)
     end = start + int(tokens.shape[0])
     if tokens.shape[0] == 0:
@@ -358,7 +390,7 @@ def plan_segment(
                 raise CheckpointMalformed(f"layer {i} holds {_views_nbytes(part)} bytes for {layer.rows} rows")
             payloads.append(part)
     lengths = [_views_nbytes(p) for p in payloads]
-    crcs = list(crcs) if crcs is not None else [_crc_of(p) for p in payloads]
+    crcs = list(crcs) if crcs is not None else [_crc_of(p, pace) for p in payloads]
     fields: dict[str, Any] = {
         "kind": "segment",
         "session_id": session_id,
@@ -479,14 +511,29 @@ def read_payload_into(fd: int, header: SegmentHeader, index: int, views: Sequenc
     check_payload(header, index, views, path)
 
 
-def check_payload(header: SegmentHeader, index: int, views: Sequence[memoryview], path: str) -> None:
-    """Verify the CRC32C of payload ``index`` on the bytes read into ``views``."""
-    if _crc_of(views) != header.payloads[index][2]:
+def check_payload(
+    header: SegmentHeader,
+    index: int,
+    views: Sequence[memoryview],
+    path: str,
+    pace: Callable[[], None] | None = None,
+) -> None:
+    """Verify the CRC32C of payload ``index`` on the bytes read into ``views`` (256 KiB at a time,
+    calling ``pace`` after each, as :func:`write_segment` does)."""
+    if _crc_of(views, pace) != header.payloads[index][2]:
         raise CheckpointCorrupt(f"{path!r}: payload {index} checksum mismatch")
 
 
-def read_payload(fd: int, header: SegmentHeader, index: int, views: Sequence[memoryview], path: str) -> None:
-    """Read payload ``index`` of a segment into ``views``, unverified (:func:`check_payload` next)."""
+def read_payload(
+    fd: int,
+    header: SegmentHeader,
+    index: int,
+    views: Sequence[memoryview],
+    path: str,
+    pace: Callable[[], None] | None = None,
+) -> None:
+    """Read payload ``index`` of a segment into ``views``, unverified (:func:`check_payload` next),
+    256 KiB at a time, calling ``pace`` after each (as :func:`write_segment` does)."""
     offset, length, _ = header.payloads[index]
     if _views_nbytes(views) != length:
         raise CheckpointMalformed(f"payload {index} of {path!r} has {length} bytes, not {_views_nbytes(views)}")
@@ -494,13 +541,15 @@ def read_payload(fd: int, header: SegmentHeader, index: int, views: Sequence[mem
     done = 0
     while pending:
         try:
-            n = os.preadv(fd, pending[:512], offset + done)
+            n = os.preadv(fd, _first_slice(pending), offset + done)
         except OSError as e:
             raise os_failure(CheckpointReadError, e, f"cannot read byte {offset + done} of {path!r}") from None
         if n == 0:
             raise CheckpointCorrupt(f"{path!r} ends early at byte {offset + done}")
         done += n
         _advance(pending, n)
+        if pace is not None:
+            pace()
 
 
 # ----------------------------------------------------------------------------------------------

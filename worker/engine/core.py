@@ -6,7 +6,10 @@ reads schedule (scheduler.py) -> propose drafts (speculative.py) -> pack -> exec
 
 Ownership: one thread (the caller of ``step``) owns everything here: the model, the KV cache, every
 session's history and every request's sampling state. Other threads must talk to the engine through
-that thread (the worker uses a queue).
+that thread (the worker uses a queue). The one exception is a checkpoint file job
+(checkpoint_files.py): between ``begin_save`` and ``finish_save`` the job's thread reads the rows of
+a session that is busy (nothing changes them meanwhile), and between ``begin_restore`` and
+``finish_restore`` it writes the slot reserved for a session not yet published.
 
 History semantics (what a session commits):
 - ``tokens`` is the committed token history; rows [0, kv_len) of the session's cache hold its KV.
@@ -153,6 +156,8 @@ class Engine:
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self._sessions: dict[str, Session] = {}
         self._free_slots: list[int] = list(range(config.max_sessions - 1, -1, -1))
+        # Ids of sessions being restored from files (begin_restore reserved a slot), until finish_restore.
+        self._restoring: set[str] = set()
         self._requests: dict[int, Request] = {}
         self._outputs: list[EngineOutput] = []
         self._scheduler = Scheduler(config)
@@ -221,8 +226,20 @@ class Engine:
         self._check_session_id(sid)
         s = self._sessions.get(sid)
         if s is None:
+            self._check_not_restoring(sid)
             raise SessionNotFound(f"session {sid!r} is not open")
         return s
+
+    def _idle_session(self, sid: str) -> Session:
+        """The session, unless a save of it is in flight (then nothing may touch its rows or slot)."""
+        s = self._session(sid)
+        if s.saving:
+            raise SessionBusy(f"session {sid!r} is being saved")
+        return s
+
+    def _check_not_restoring(self, sid: str) -> None:
+        if sid in self._restoring:
+            raise SessionBusy(f"session {sid!r} is being restored")
 
     def _check_ready(self) -> None:
         if self._closed:
@@ -235,12 +252,13 @@ class Engine:
         self._check_session_id(sid)
         if sid in self._sessions:
             raise SessionExists(f"session {sid!r} is already open")
+        self._check_not_restoring(sid)
         if not self._free_slots:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
         self._sessions[sid] = Session(sid, self._free_slots.pop())
 
     def close_session(self, sid: str) -> None:
-        s = self._session(sid)
+        s = self._idle_session(sid)
         if s.request is not None:
             self._finish(s.request, "cancelled")
         # A closed session's history becomes a prefix-cache entry (when the cache is on), under the
@@ -251,7 +269,7 @@ class Engine:
         self._free_slots.append(s.slot)
 
     def reset_session(self, sid: str) -> None:
-        s = self._session(sid)
+        s = self._idle_session(sid)
         if s.request is not None:
             self._finish(s.request, "cancelled")
         s.forget()
@@ -334,7 +352,7 @@ class Engine:
             raise InvalidArgument(f"request id must be a positive 64-bit integer, got {request_id!r}")
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id} is already in flight")
-        s = self._session(sid)
+        s = self._idle_session(sid)
         if s.request is not None:
             raise SessionBusy(f"session {sid!r} is already generating (request {s.request.rid})")
         params.validate(self.vocab_size)
@@ -604,7 +622,7 @@ class Engine:
 
         The default position is the committed boundary: every token whose KV the cache holds.
         """
-        s = self._session(sid)
+        s = self._idle_session(sid)
         self._check_saveable(s)
         if position is None:
             position = s.kv_len
@@ -634,6 +652,7 @@ class Engine:
         self._check_session_id(sid)
         if sid in self._sessions:
             raise SessionExists(f"session {sid!r} is already open; restore needs an unused session id")
+        self._check_not_restoring(sid)
         if position is None:
             position = checkpoint.position
         fmt = checkpoint.format
@@ -695,21 +714,36 @@ class Engine:
 
     # ----------------------------------------------------------------- checkpoint files
 
-    def save_file(
+    def begin_save(
         self, sid: str, fd: int, *, tag: str, base: checkpoint_files.SaveBase | None, identity: str, max_bytes: int
-    ) -> dict[str, Any]:
-        """Write session ``sid`` at its committed boundary as one segment into the open, empty file
-        ``fd`` (checkpoint_files.py): only the rows after ``base.position`` when the session's slot
-        still holds what the store's save ``base.tag`` does up to there, else all of them."""
-        s = self._session(sid)
+    ) -> checkpoint_files.SaveJob:
+        """Plan writing session ``sid`` at its committed boundary as one segment into the open,
+        empty file ``fd`` (checkpoint_files.py): only the rows after ``base.position`` when the
+        session's slot still holds what the store's save ``base.tag`` does up to there, else all of
+        them. The session is busy from here (SessionBusy) until :meth:`finish_save`; the caller runs
+        ``job.write()`` on another thread, which reads the rows straight from the slot."""
+        s = self._idle_session(sid)
         self._check_saveable(s)
         if self._draft_model is not None:
             raise Unsaveable(f"session {sid!r} runs with a draft model, whose state is saved through export_checkpoint")
-        return checkpoint_files.save_segment(
+        job = checkpoint_files.plan_save(
             self, s, fd, tag=tag, base=base, session_id=sid, identity=identity, max_bytes=max_bytes
         )
+        s.saving = True
+        return job
 
-    def restore_files(
+    def finish_save(self, job: checkpoint_files.SaveJob, error: BaseException | None) -> dict[str, Any]:
+        """Once ``job.write()`` has returned (``error`` None) or raised ``error``: the session is
+        idle again and, when the write succeeded, its rows are durable under the save's tag; return
+        what the store records (``SaveJob.reply``), or raise ``error`` (the durable base unchanged)."""
+        s = job.session
+        s.saving = False
+        if error is not None:
+            raise error
+        s.durable = (job.tag, job.position)
+        return job.reply()
+
+    def begin_restore(
         self,
         sid: str,
         fds: Sequence[int],
@@ -719,14 +753,16 @@ class Engine:
         identity: str,
         max_bytes: int,
         saved_id: str | None = None,
-    ) -> int:
-        """Publish a new session ``sid`` from the open segment files of the saved session
-        ``saved_id`` (default ``sid``: the segments must hold it), all of its history; return its
-        position. A rejected restore leaves ``sid`` unused."""
+    ) -> checkpoint_files.RestoreJob:
+        """Reserve a free slot for a new session ``sid`` restored from the open segment files of the
+        saved session ``saved_id`` (default ``sid``: the segments must hold it), all of its history.
+        The caller runs ``job.read()`` on another thread, which reads the rows into the slot and
+        checks them, then :meth:`finish_restore`; meanwhile ``sid`` is busy (SessionBusy)."""
         self._check_ready()
         self._check_session_id(sid)
         if sid in self._sessions:
             raise SessionExists(f"session {sid!r} is already open; restore needs an unused session id")
+        self._check_not_restoring(sid)
         if self._draft_model is not None:
             raise CheckpointRejected("this worker runs a draft model: restore its sessions with restore_checkpoint")
         if refs and refs[-1].end >= self.config.max_session_tokens:
@@ -735,21 +771,45 @@ class Engine:
             )
         if not self._free_slots:
             raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
-        slot = self._free_slots[-1]
-        ids, position, floor = checkpoint_files.restore_segments(
-            self,
-            slot,
-            fds,
-            refs,
-            session_id=sid if saved_id is None else saved_id,
+        job = checkpoint_files.RestoreJob(
+            sid=sid,
+            slot=self._free_slots.pop(),
+            tag=tag,
+            executor=self.executor,
+            fds=fds,
+            refs=refs,
+            saved_id=sid if saved_id is None else saved_id,
             identity=identity,
             max_bytes=max_bytes,
+            format=self.executor_format(),
+            geometry=self.geometry(),
+            vocab_size=self.vocab_size,
         )
-        self._free_slots.pop()
-        self._sessions[sid] = Session(
-            sid, slot, ids, position, None, None, 0, kv_floor=floor, durable=(tag, position), salt_known=False
+        self._restoring.add(sid)
+        return job
+
+    def finish_restore(self, job: checkpoint_files.RestoreJob, error: BaseException | None) -> int:
+        """Once ``job.read()`` has returned (``error`` None) or raised ``error``: publish the
+        session and return its position, or free the slot and raise (``sid`` stays unused)."""
+        self._restoring.remove(job.sid)
+        try:
+            if error is not None:
+                raise error
+            floor = job.import_staged()
+        except BaseException:
+            self._free_slots.append(job.slot)
+            raise
+        self._sessions[job.sid] = Session(
+            job.sid,
+            job.slot,
+            job.tokens,
+            job.position,
+            unsaveable=None,
+            kv_floor=floor,
+            durable=(job.tag, job.position),
+            salt_known=False,
         )
-        return position
+        return job.position
 
     # ----------------------------------------------------------------- shutdown
 

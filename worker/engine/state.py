@@ -65,6 +65,10 @@ class Session:
     # save on top of that tag writes only the rows after them (checkpoint_files.py). Set by a save
     # or a restore through files; dropped when the history is cut below ``rows``.
     durable: tuple[str, int] | None = None
+    # A save of the slot's rows is in flight (checkpoint_files.SaveJob, written on the worker's I/O
+    # thread): until Engine.finish_save nothing may change its history, its rows or its slot, so
+    # every call on the session but reading its tokens raises SessionBusy.
+    saving: bool = False
     # The cache_salt of the session's latest request: closing the session files its history as a
     # prefix-cache entry under it. A restored session has no known salt (salt_known False) until
     # its first request, and closing it before then adds no entry: a restored history enters no

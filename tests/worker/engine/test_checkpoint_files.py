@@ -4,33 +4,54 @@ A restored session must hold exactly the rows the saved one held (compared byte 
 export_checkpoint), continue exactly as the never-saved session does, and an incremental save must
 write only the new positions. The tiny Mistral has a window of 16, so its rings wrap; the tiny
 Llama has only full layers. Both backends: torch reads and writes its cache in place, MLX through
-host copies.
+host copies (and torch too in "torch-host-copies", as on a GPU). Every job's write or read runs on
+another thread, as on the worker's I/O thread, and while one is blocked there the engine keeps
+decoding other sessions.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from helpers.engine import greedy, prompt_ids, run
 
-from muxworker.transport.checkpoint.errors import CheckpointCorrupt, CheckpointTooLarge
+from muxworker.transport.checkpoint.errors import CheckpointCorrupt, CheckpointTooLarge, CheckpointWriteError
 from muxworker.transport.checkpoint.segments import SegmentRef
-from muxworker.transport.errors import CheckpointRejected, SessionNotFound, Unsaveable
+from muxworker.transport.errors import CapacityExhausted, CheckpointRejected, SessionBusy, SessionNotFound, Unsaveable
+from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.checkpoint_files import SaveBase
 from muxworker.worker.engine.config import EngineConfig
 
 IDENTITY = "test-identity"
 BIG = 1 << 40
+HANG_GUARD_S = 60.0
 
 
-@pytest.fixture(params=["torch", "mlx"])
-def backend(request):
+def on_io_thread(work):
+    """Run ``work`` on another thread, as the worker's I/O thread does; return what it raised."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(work).exception()
+
+
+def save_file(engine, sid, fd, *, tag, base=None):
+    job = engine.begin_save(sid, fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
+    return engine.finish_save(job, on_io_thread(job.write))
+
+
+@pytest.fixture(params=["torch", "torch-host-copies", "mlx"])
+def backend(request, monkeypatch):
     if request.param == "mlx":
         pytest.importorskip("mlx.core")
+    if request.param == "torch-host-copies":  # the path of a GPU, which lends no host views: on the CPU
+        monkeypatch.setattr(TorchExecutor, "direct_kv_io", property(lambda self: False))
+        return "torch"
     return request.param
 
 
@@ -59,7 +80,7 @@ class Store:
         tag = secrets.token_hex(8)
         base = SaveBase(self.tag, self.refs[-1].end) if incremental and self.refs else None
         try:
-            out = engine.save_file(sid, fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
+            out = save_file(engine, sid, fd, tag=tag, base=base)
         finally:
             os.close(fd)
         if out["start"] == out["position"]:
@@ -74,18 +95,22 @@ class Store:
         refs = self.refs if refs is None else refs
         fds = [os.open(self.path / r.name, os.O_RDONLY) for r in refs]
         try:
-            return engine.restore_files(
-                sid,
-                fds,
-                refs,
-                tag=self.tag,
-                identity=kw.get("identity", IDENTITY),
-                max_bytes=kw.get("max_bytes", BIG),
-                saved_id=self.saved_id,
-            )
+            job = self.begin_restore(engine, sid, fds, refs, **kw)
+            return engine.finish_restore(job, on_io_thread(job.read))
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def begin_restore(self, engine, sid, fds, refs, **kw):
+        return engine.begin_restore(
+            sid,
+            fds,
+            refs,
+            tag=self.tag,
+            identity=kw.get("identity", IDENTITY),
+            max_bytes=kw.get("max_bytes", BIG),
+            saved_id=self.saved_id,
+        )
 
 
 def saved_session(model_dir, tmp_path, seed, n=30):
@@ -198,7 +223,7 @@ def test_a_base_below_the_saved_rows_and_a_block_crossing_save_start_where_the_s
     turn(live, "s", history, n=1)
     fd = os.memfd_create("seg")
     try:
-        first = live.save_file("s", fd, tag="t1", base=None, identity=IDENTITY, max_bytes=BIG)
+        first = save_file(live, "s", fd, tag="t1")
     finally:
         os.close(fd)
     assert (first["start"], first["position"]) == (0, 41)
@@ -206,7 +231,7 @@ def test_a_base_below_the_saved_rows_and_a_block_crossing_save_start_where_the_s
     def save(tag, base):
         fd = os.memfd_create("seg")
         try:
-            return live.save_file("s", fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
+            return save_file(live, "s", fd, tag=tag, base=base)
         finally:
             os.close(fd)
 
@@ -275,3 +300,179 @@ def test_busy_empty_and_draft_sessions_are_unsaveable(tmp_path, tiny_model_facto
     with pytest.raises(Unsaveable, match="busy"):
         Store(tmp_path).save(engine, "s")
     run(engine)
+
+
+class Gate:
+    """Stands in for an os call (``os.writev``, ``os.preadv``): records the threads that call it and
+    holds every call until :attr:`opened` is set, then makes the real call."""
+
+    def __init__(self, real):
+        self.real = real
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.threads: set[int] = set()
+
+    def __call__(self, *args):
+        self.threads.add(threading.get_ident())
+        self.entered.set()
+        if not self.opened.wait(HANG_GUARD_S):
+            raise TimeoutError("the test never opened the gate")
+        return self.real(*args)
+
+
+def decode(engine, rid, n):
+    """Step until request ``rid`` has produced ``n`` more tokens; return them."""
+    tokens: list[int] = []
+    while len(tokens) < n:
+        assert engine.has_work(), f"request {rid} ended after {len(tokens)} tokens"
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.token_ids
+    return tokens
+
+
+def test_a_save_is_written_on_another_thread_while_other_sessions_decode(tmp_path, tiny_model_factory, monkeypatch):
+    model_dir = tiny_model_factory("llama")
+    engine = make(model_dir)
+    engine.open_session("s")
+    history = prompt_ids(60, seed=20)
+    history += turn(engine, "s", history)
+    engine.open_session("b")
+    engine.submit(500, "b", prompt_ids(8, seed=21), greedy(40))
+    decode(engine, 500, 2)
+    gate = Gate(os.writev)
+    monkeypatch.setattr(os, "writev", gate)
+    fd = os.open(tmp_path / "seg.mxseg", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    job = engine.begin_save("s", fd, tag="t1", base=None, identity=IDENTITY, max_bytes=BIG)
+    with ThreadPoolExecutor(1) as pool:
+        written = pool.submit(job.write)
+        assert gate.entered.wait(HANG_GUARD_S)  # the writer holds views of the slot; no byte is written
+        streamed = decode(engine, 500, 10)  # the other session decodes meanwhile
+        # A call on the session being saved is refused at once: the client's per-session order
+        # (SessionRuntime's leases) never sends one before the save's reply.
+        with pytest.raises(SessionBusy, match="being saved"):
+            engine.submit(501, "s", history, greedy(2))
+        for call in (engine.close_session, engine.reset_session, engine.export_checkpoint):
+            with pytest.raises(SessionBusy, match="being saved"):
+                call("s")
+        with pytest.raises(SessionBusy, match="being saved"):
+            engine.begin_save("s", fd, tag="t2", base=None, identity=IDENTITY, max_bytes=BIG)
+        assert engine.session_tokens("s") == history  # reading the history is fine
+        assert not written.done()
+        gate.opened.set()
+        error = written.exception()
+    monkeypatch.undo()
+    out = engine.finish_save(job, error)
+    os.close(fd)
+    assert gate.threads and threading.get_ident() not in gate.threads
+    assert len(streamed) == 10
+    run(engine)
+    # The rows written after those 10 steps are exactly the session's: they restore bit for bit.
+    store = Store(tmp_path)
+    store.refs = [SegmentRef("seg.mxseg", 0, out["position"], out["file_length"], out["header_crc"])]
+    store.tag, store.saved_id = "t1", "s"
+    other = make(model_dir)
+    assert store.restore(other, "r") == out["position"] == len(history) - 1
+    assert_same_state(engine, "s", other, "r")
+    # Idle again: it generates, and its next save builds on this one.
+    history += prompt_ids(4, seed=22)
+    history += turn(engine, "s", history)
+    assert store.save(engine, "s")["start"] == out["position"]
+
+
+def test_a_failed_write_raises_its_error_and_leaves_the_session_idle_with_its_durable_base(
+    tmp_path, tiny_model_factory
+):
+    model_dir = tiny_model_factory("llama")
+    engine = make(model_dir)
+    engine.open_session("s")
+    store = Store(tmp_path)
+    history = prompt_ids(30, seed=23)
+    history += turn(engine, "s", history)
+    first = store.save(engine, "s")
+    history += prompt_ids(5, seed=24)
+    history += turn(engine, "s", history)
+    full = os.open("/dev/full", os.O_WRONLY)  # every write fails with ENOSPC
+    try:
+        job = engine.begin_save(
+            "s", full, tag="lost", base=SaveBase(store.tag, first["position"]), identity=IDENTITY, max_bytes=BIG
+        )
+        assert job.start == first["position"]
+        with pytest.raises(CheckpointWriteError, match="disk full") as failed:
+            engine.finish_save(job, on_io_thread(job.write))
+    finally:
+        os.close(full)
+    assert failed.value.reason == "disk_full"
+    # Idle again, and its durable base is still the first save's: the next save appends to that.
+    assert store.save(engine, "s")["start"] == first["position"]
+    other = make(model_dir)
+    store.restore(other, "r")
+    assert_same_state(engine, "s", other, "r")
+
+
+def test_a_restore_reads_into_a_reserved_slot_on_another_thread_while_other_sessions_decode(
+    tmp_path, tiny_model_factory, monkeypatch
+):
+    model_dir = tiny_model_factory("llama")
+    live, store, history = saved_session(model_dir, tmp_path, seed=25)
+    other = make(model_dir, max_sessions=2)
+    other.open_session("b")
+    other.submit(600, "b", prompt_ids(8, seed=26), greedy(40))
+    decode(other, 600, 2)
+    gate = Gate(os.preadv)
+    monkeypatch.setattr(os, "preadv", gate)
+    fds = [os.open(tmp_path / r.name, os.O_RDONLY) for r in store.refs]
+    job = store.begin_restore(other, "r", fds, store.refs)
+    with ThreadPoolExecutor(1) as pool:
+        read = pool.submit(job.read)
+        assert gate.entered.wait(HANG_GUARD_S)
+        assert len(decode(other, 600, 10)) == 10
+        assert other.session_ids() == ["b"]  # published only once every row is read and checked
+        with pytest.raises(SessionBusy, match="being restored"):
+            other.open_session("r")
+        with pytest.raises(SessionBusy, match="being restored"):
+            other.submit(601, "r", history, greedy(2))
+        with pytest.raises(CapacityExhausted):  # its slot is reserved
+            other.open_session("x")
+        gate.opened.set()
+        error = read.exception()
+    monkeypatch.undo()
+    position = other.finish_restore(job, error)
+    for fd in fds:
+        os.close(fd)
+    assert gate.threads and threading.get_ident() not in gate.threads
+    assert position == len(history) - 1
+    run(other)
+    assert_same_state(live, "s", other, "r")
+
+
+def test_a_paced_save_and_restore_move_the_same_bytes(tmp_path, tiny_model_factory):
+    # The worker's I/O thread passes a pace (server.py) that pauses between slices while the engine
+    # steps: the files and the restored rows are the same as without one.
+    model_dir = tiny_model_factory("llama")
+    engine = make(model_dir, max_session_tokens=1024)
+    engine.open_session("s")
+    turn(engine, "s", prompt_ids(600, seed=27), n=1)
+    paces: list[int] = []
+    files = []
+    for paced in (False, True):
+        fd = os.memfd_create("seg")
+        job = engine.begin_save("s", fd, tag="t1", base=None, identity=IDENTITY, max_bytes=BIG)
+        write = functools.partial(job.write, lambda: paces.append(1)) if paced else job.write
+        engine.finish_save(job, on_io_thread(write))
+        files.append(os.pread(fd, 1 << 30, 0))
+        os.close(fd)
+    assert files[0] == files[1] and len(paces) > len(files[0]) // (256 * 1024)
+    (tmp_path / "seg.mxseg").write_bytes(files[1])
+    out = job.reply()
+    store = Store(tmp_path)
+    store.refs = [SegmentRef("seg.mxseg", 0, out["position"], out["file_length"], out["header_crc"])]
+    store.tag, store.saved_id = "t1", "s"
+    other = make(model_dir, max_session_tokens=1024)
+    fd = os.open(tmp_path / "seg.mxseg", os.O_RDONLY)
+    restore = store.begin_restore(other, "r", [fd], store.refs)
+    paces.clear()
+    other.finish_restore(restore, on_io_thread(functools.partial(restore.read, lambda: paces.append(1))))
+    os.close(fd)
+    assert len(paces) > len(files[1]) // (256 * 1024)
+    assert_same_state(engine, "s", other, "r")

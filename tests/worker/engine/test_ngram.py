@@ -153,7 +153,9 @@ def test_ngram_sessions_checkpoint_like_plain_ones(tiny_model_factory, tmp_path)
     assert plain.session_tokens("r") == eng.session_tokens("s")[: checkpoint.position]
     fd = os.memfd_create("seg")
     try:
-        out = eng.save_file("s", fd, tag="t", base=None, identity="id", max_bytes=1 << 30)
+        job = eng.begin_save("s", fd, tag="t", base=None, identity="id", max_bytes=1 << 30)
+        job.write()  # the worker's I/O thread does this
+        out = eng.finish_save(job, None)
     finally:
         os.close(fd)
     assert out["position"] == checkpoint.position  # through the file channel, as a plain worker saves
