@@ -21,14 +21,15 @@ from muxworker.transport import (
     error_from_wire,
     validate,
 )
-from muxworker.transport.checkpoint.errors import (
-    _REASONS,
-    CheckpointMalformed,
-    CheckpointRetentionError,
+from muxworker.transport.checkpoint.errors import _REASONS, CheckpointMalformed, CheckpointRetentionError, os_failure
+from muxworker.transport.errors import (
+    ERRORS,
+    CheckpointRejected,
     CheckpointWriteError,
-    os_failure,
+    ErrorCode,
+    _OSFailure,
+    error_code_of,
 )
-from muxworker.transport.errors import ERRORS, CheckpointRejected, ErrorCode, _OSFailure, error_code_of
 
 EXPECTED_CODES = {
     "InvalidArgument": "invalid_argument",

@@ -13,19 +13,18 @@
 
 from __future__ import annotations
 
-from .codec import MANIFEST_VERSION, MAX_PAYLOADS, checkpoint_from_wire, checkpoint_to_wire
-from .errors import (
+from ..errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointIncompatible,
-    CheckpointMalformed,
     CheckpointNotFound,
     CheckpointReadError,
-    CheckpointRetentionError,
     CheckpointTooLarge,
     CheckpointUnsafePath,
     CheckpointWriteError,
 )
+from .codec import MANIFEST_VERSION, MAX_PAYLOADS, checkpoint_from_wire, checkpoint_to_wire
+from .errors import CheckpointMalformed, CheckpointRetentionError
 from .file import DEFAULT_MAX_BYTES, load_checkpoint, save_checkpoint
 from .identity import IdentityInputs, ModelFileFingerprint, checkpoint_identity, checkpoint_identity_inputs
 from .state import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype, required_rows, retained_from

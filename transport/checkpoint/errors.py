@@ -13,7 +13,8 @@
   ``except CheckpointRejected`` around a restore does not also catch a missing file.
 
 The file errors are defined in :mod:`muxworker.transport.errors`, with every other class that has a
-code and the table of codes (docs/PROTOCOL.md), and re-exported here.
+code and the table of codes (docs/PROTOCOL.md); import them from there (or from
+:mod:`muxworker.transport.checkpoint`, the checkpoint API).
 """
 
 from __future__ import annotations
@@ -21,31 +22,11 @@ from __future__ import annotations
 import errno
 
 from muxworker.transport.errors import (
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointIncompatible,
-    CheckpointNotFound,
-    CheckpointReadError,
     CheckpointRejected,
-    CheckpointTooLarge,
-    CheckpointUnsafePath,
-    CheckpointWriteError,
     _OSFailure,
 )
 
-__all__ = [
-    "CheckpointMalformed",
-    "CheckpointRetentionError",
-    "CheckpointError",
-    "CheckpointNotFound",
-    "CheckpointCorrupt",
-    "CheckpointIncompatible",
-    "CheckpointTooLarge",
-    "CheckpointUnsafePath",
-    "CheckpointWriteError",
-    "CheckpointReadError",
-    "os_failure",
-]
+__all__ = ["CheckpointMalformed", "CheckpointRetentionError", "os_failure"]
 
 
 # The data model's errors: a checkpoint that cannot be accepted (the worker's wire error

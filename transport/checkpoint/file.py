@@ -32,18 +32,17 @@ import numpy as np
 from muxworker.native import crc32c
 from muxworker.transport.errors import InvalidArgument
 
-from .codec import MANIFEST_VERSION, MAX_PAYLOADS, checkpoint_from_wire, checkpoint_to_wire
-from .errors import (
+from ..errors import (
     CheckpointCorrupt,
     CheckpointIncompatible,
-    CheckpointMalformed,
     CheckpointNotFound,
     CheckpointReadError,
     CheckpointTooLarge,
     CheckpointUnsafePath,
     CheckpointWriteError,
-    os_failure,
 )
+from .codec import MANIFEST_VERSION, MAX_PAYLOADS, checkpoint_from_wire, checkpoint_to_wire
+from .errors import CheckpointMalformed, os_failure
 from .identity import IdentityInputs
 from .state import LAYOUT_VERSION, CPUCheckpoint
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from muxworker.native import crc32c
 
-from .errors import CheckpointCorrupt, CheckpointIncompatible, CheckpointMalformed, CheckpointReadError, os_failure
+from ..errors import CheckpointCorrupt, CheckpointIncompatible, CheckpointReadError
+from .errors import CheckpointMalformed, os_failure
 from .file import (
     _CRC,
     _HEADER,

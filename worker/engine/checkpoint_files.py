@@ -34,13 +34,7 @@ import numpy as np
 
 from muxworker.native import all_finite
 from muxworker.transport.checkpoint import CheckpointRetentionError, LayerState, numpy_storage_dtype, retained_from
-from muxworker.transport.checkpoint.errors import (
-    CheckpointCorrupt,
-    CheckpointIncompatible,
-    CheckpointTooLarge,
-    CheckpointWriteError,
-    os_failure,
-)
+from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.segments import (
     LayerRows,
     SegmentHeader,
@@ -54,7 +48,14 @@ from muxworker.transport.checkpoint.segments import (
     read_segment_header,
     write_segment,
 )
-from muxworker.transport.errors import CheckpointRejected, InvalidArgument
+from muxworker.transport.errors import (
+    CheckpointCorrupt,
+    CheckpointIncompatible,
+    CheckpointRejected,
+    CheckpointTooLarge,
+    CheckpointWriteError,
+    InvalidArgument,
+)
 
 if TYPE_CHECKING:
     from muxworker.worker.backends.interface import Executor

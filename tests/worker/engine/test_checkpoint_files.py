@@ -21,9 +21,17 @@ import numpy as np
 import pytest
 from helpers.engine import greedy, prompt_ids, run
 
-from muxworker.transport.checkpoint.errors import CheckpointCorrupt, CheckpointTooLarge, CheckpointWriteError
 from muxworker.transport.checkpoint.segments import SegmentRef
-from muxworker.transport.errors import CapacityExhausted, CheckpointRejected, SessionBusy, SessionNotFound, Unsaveable
+from muxworker.transport.errors import (
+    CapacityExhausted,
+    CheckpointCorrupt,
+    CheckpointRejected,
+    CheckpointTooLarge,
+    CheckpointWriteError,
+    SessionBusy,
+    SessionNotFound,
+    Unsaveable,
+)
 from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.checkpoint_files import SaveBase
