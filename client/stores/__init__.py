@@ -75,19 +75,20 @@ async def open_store(
     to an object store may fail before :class:`StoreUnavailable`; a local store has none.
     """
     text = os.fspath(location)
+    common: dict[str, Any] = dict(
+        model_files=model_files,
+        configuration=configuration,
+        max_bytes=max_bytes,
+        compact_after=compact_after,
+        share_blocks_across_namespaces=share_blocks_across_namespaces,
+    )
     scheme = text.split("://", 1)[0] if "://" in text else ""
     if scheme in ("", "file"):
         if options:
             raise InvalidArgument(f"a local store takes no store options, got {sorted(options)}")
         path = text[len("file://") :] if scheme == "file" else text
         return await SessionStore.create(
-            path,
-            model_files=model_files,
-            configuration=configuration,
-            max_bytes=max_bytes,
-            compact_after=compact_after,
-            block_tokens=LOCAL_BLOCK_TOKENS if block_tokens is None else block_tokens,
-            share_blocks_across_namespaces=share_blocks_across_namespaces,
+            path, **common, block_tokens=LOCAL_BLOCK_TOKENS if block_tokens is None else block_tokens
         )
     if scheme not in OBJECT_SCHEMES:
         raise InvalidArgument(
@@ -96,12 +97,8 @@ async def open_store(
         )
     return await ObjectSessionStore.create(
         text,
-        model_files=model_files,
-        configuration=configuration,
-        max_bytes=max_bytes,
-        compact_after=compact_after,
+        **common,
         block_tokens=DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens,
-        share_blocks_across_namespaces=share_blocks_across_namespaces,
         timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
         **options,
     )
