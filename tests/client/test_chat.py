@@ -1,5 +1,8 @@
 """`python -m muxworker.chat` driven through a pseudo-terminal that is its controlling terminal, so
-Ctrl-C (b"\\x03") reaches it as SIGINT and Ctrl-D (b"\\x04") as end of input, as on a real terminal."""
+Ctrl-C (b"\\x03") reaches it as SIGINT and Ctrl-D (b"\\x04") as end of input, as on a real terminal.
+
+Those runs start a real worker each (slow tier); the chat's conversation logic (``Conversation``)
+also runs here over the in-process fake worker with the tiny model's real tokenizer."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.fake_worker import fake_worker_client
 
 from muxworker.worker.models.defaults import auto_dtype
 
@@ -138,6 +142,7 @@ def _transcript(store: Path) -> dict:
 STATS = r"(\d+) tokens, prefilled (\d+), reused (\d+)"
 
 
+@pytest.mark.slow
 def test_chat_saves_on_quit_and_resumes(chat):
     term = chat("--max_new_tokens", "12")
     term.expect(r"new session 't1'")
@@ -168,6 +173,7 @@ def test_chat_saves_on_quit_and_resumes(chat):
     assert term.close() == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(chat, tmp_path):
     # Greedy and long: this model does not stop by itself within 2,000 tokens, so the reply is
     # still streaming when Ctrl-C arrives (the worker needs seconds for it, the signal microseconds).
@@ -210,6 +216,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(chat, tmp_path):
     assert len(_transcript(tmp_path / "store")["messages"]) == 6
 
 
+@pytest.mark.slow
 def test_a_paste_and_a_block_are_one_message_each(chat, tmp_path):
     term = chat("--max_new_tokens", "4")
     term.expect(r"you> ")
@@ -226,6 +233,7 @@ def test_a_paste_and_a_block_are_one_message_each(chat, tmp_path):
     assert users == ["first line\nsecond line\nthird line", "alpha\n\nbeta"]
 
 
+@pytest.mark.slow
 def test_a_failed_resume_never_touches_the_saved_files(chat, tmp_path):
     store = tmp_path / "store"
     term = chat("--max_new_tokens", "6")
@@ -272,6 +280,7 @@ def test_a_failed_resume_never_touches_the_saved_files(chat, tmp_path):
     assert len(after) == 4  # t1-2's checkpoint and transcript beside t1's
 
 
+@pytest.mark.slow
 def test_reset_is_persisted(chat, tmp_path):
     store = tmp_path / "store"
     term = chat("--max_new_tokens", "6")
@@ -315,9 +324,11 @@ async def test_the_next_turn_carries_the_templates_real_markers(tiny_llama_dir):
     """The text the chat template adds after the history is sent as SpecialText, so its role markers
     are the special tokens a full render would give, not their characters."""
     from muxworker.chat import Conversation
-    from muxworker.client import GenerationParams, default_worker_command, spawn_multiplexed_worker
+    from muxworker.client import GenerationParams
+    from muxworker.worker.models.tokenizer import Tokenizer
 
-    async with spawn_multiplexed_worker(default_worker_command(tiny_llama_dir)) as client:
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir)
+    async with fake_worker_client(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size) as client:
         await client.open_session("c")
         conv = Conversation("c")
         await conv.send(client, "hello", GenerationParams("c", max_new_tokens=4, temperature=0.0))
@@ -326,3 +337,28 @@ async def test_the_next_turn_carries_the_templates_real_markers(tiny_llama_dir):
         suffix_ids = await client.tokenize(segments[1])
         im_start = (await client.tokenize("<|im_start|>", parse_special=True))[0]
         assert im_start in suffix_ids
+
+
+async def test_an_interrupted_reply_is_kept_and_the_next_turn_reuses_all_of_it(tiny_llama_dir):
+    """Ctrl-C's effect on a conversation (ReplyInterrupt) without a terminal: the worker ends the
+    reply "cancelled" with the tokens so far, the history holds exactly what it committed, and the
+    next turn reuses all of it but the last token (which had no KV yet)."""
+    from muxworker.chat import Conversation, ReplyInterrupt
+    from muxworker.client import GenerationParams
+    from muxworker.worker.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir)
+    async with fake_worker_client(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size) as client:
+        await client.open_session("c")
+        conv = Conversation("c")
+        interrupt = ReplyInterrupt()
+        params = GenerationParams("c", max_new_tokens=2000, temperature=0.0, stop_token_ids=[])
+        turn = await conv.send(client, "Hello there", params, echo=lambda _: interrupt.request(), interrupt=interrupt)
+        kept = turn.result.committed_tokens
+        assert turn.interrupted and turn.result.finish_reason == "cancelled" and 0 < kept < 2000
+        prompt = turn.result.prompt_tokens
+        assert conv.history_ids == client.session_tokens("c") and len(conv.history_ids) == prompt + kept
+        assert [m["role"] for m in conv.messages] == ["user", "assistant"]
+        assert conv.messages[1]["content"] == await client.detokenize(turn.result.generated_token_ids)
+        again = await conv.send(client, "And again", GenerationParams("c", max_new_tokens=4, temperature=0.0))
+        assert again.result.reused_prompt_tokens == prompt + kept - 1

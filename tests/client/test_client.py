@@ -1,5 +1,10 @@
 """The trio client against a real worker subprocess over real pipes, on a tiny random model.
 
+Each worker takes seconds to start, so these are in the slow tier, but for one smoke test of the
+client over a real worker (interleaved sessions, checked against the engine in-process) and the
+checks that need no model loaded. The client's connection layer is tested over in-memory streams
+in test_connection.py.
+
 Timeouts here (trio.fail_after) are hang guards, not timing assertions: the machine is shared.
 """
 
@@ -13,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from helpers.params import greedy  # no stop tokens: every stream runs to its length
 
 from muxworker import client as api
 from muxworker.client import (
@@ -35,13 +41,6 @@ from muxworker.serve.process import process_table
 from muxworker.transport.errors import ERROR_CLASSES
 
 HANG_GUARD_S = 60.0
-
-
-def greedy(session_id: str, n: int = 16, **kw) -> GenerationParams:
-    # No stop tokens, so every stream runs to its length and its text is all of its tokens.
-    kw.setdefault("temperature", 0.0)
-    kw.setdefault("stop_token_ids", [])
-    return GenerationParams(session_id=session_id, max_new_tokens=n, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +69,7 @@ def _child_pids() -> set[int]:
 # spawning and closing
 
 
+@pytest.mark.slow
 async def test_spawn_with_a_nursery_and_close_is_idempotent(worker_command):
     async with trio.open_nursery() as nursery:
         client = await spawn_multiplexed_worker(worker_command, nursery=nursery)
@@ -94,6 +94,7 @@ async def test_await_without_a_nursery_is_a_type_error(worker_command):
         await spawn_multiplexed_worker(worker_command)
 
 
+@pytest.mark.slow
 async def test_close_settles_running_streams(worker_command):
     async with spawn_multiplexed_worker(worker_command) as client:
         await client.open_session("a")
@@ -117,6 +118,7 @@ async def test_caller_cancelled_during_start_reaps_the_child(worker_command):
     assert _child_pids() <= before
 
 
+@pytest.mark.slow
 async def test_cancelling_the_nursery_reaps_the_child(worker_command):
     async with trio.open_nursery() as nursery:
         client = await spawn_multiplexed_worker(worker_command, nursery=nursery)
@@ -132,6 +134,7 @@ async def test_cancelling_the_nursery_reaps_the_child(worker_command):
         await stream.wait()
 
 
+@pytest.mark.slow
 async def test_bad_model_path_fails_spawn_with_the_workers_message(tmp_path):
     with trio.fail_after(HANG_GUARD_S):
         with pytest.raises(WorkerStartupError) as info:
@@ -152,6 +155,7 @@ async def test_invalid_flag_fails_spawn_with_the_workers_message(model_dir):
     assert info.value.returncode == 2
 
 
+@pytest.mark.slow
 async def test_worker_that_prints_to_stdout_keeps_the_protocol_intact(model_dir, caplog):
     # A wrapper that prints before the worker starts and from inside every tokenize call.
     wrapper = (
@@ -245,6 +249,7 @@ async def test_interleaved_sessions_complete_out_of_order_and_match_a_solo_engin
         assert result["generated_token_ids"] == results[i].generated_token_ids
 
 
+@pytest.mark.slow
 async def test_prompt_forms_and_params_objects(client):
     await client.open_session("a")
     ids = await client.tokenize("The quick brown fox")
@@ -269,6 +274,7 @@ async def test_prompt_forms_and_params_objects(client):
         client.generate([1, -2], greedy("a"))
 
 
+@pytest.mark.slow
 async def test_errors_end_their_request_only(client):
     await client.open_session("a")
     await client.open_session("b")
@@ -298,6 +304,7 @@ def test_one_exception_class_per_wire_code():
     assert issubclass(WorkerDiedError, MuxError) and issubclass(ClientClosedError, MuxError)
 
 
+@pytest.mark.slow
 async def test_tokenize_detokenize_and_chat_template(client):
     ids = await client.tokenize("Hello world")
     assert await client.detokenize(ids) == "Hello world"
@@ -318,6 +325,7 @@ async def test_tokenize_detokenize_and_chat_template(client):
 # cancellation and fencing
 
 
+@pytest.mark.slow
 async def test_cancel_ends_only_its_target(client):
     await client.open_session("a")
     await client.open_session("b")
@@ -335,6 +343,7 @@ async def test_cancel_ends_only_its_target(client):
     assert (await client.generate([1, 2], greedy("a", 3)).wait()).completion_tokens == 3
 
 
+@pytest.mark.slow
 async def test_cancel_before_the_request_is_sent_stays_local(client):
     await client.open_session("a")
     stream = client.generate([5, 6, 7], greedy("a", 50))
@@ -350,6 +359,7 @@ async def test_cancel_before_the_request_is_sent_stays_local(client):
     await client.open_session("b")  # so "b" was not opened by the cancelled call
 
 
+@pytest.mark.slow
 async def test_aclose_cancels_and_waits_until_settled(client):
     await client.open_session("a")
     async with client.generate([5, 6], greedy("a", 300)) as stream:
@@ -360,6 +370,7 @@ async def test_aclose_cancels_and_waits_until_settled(client):
     assert (await client.generate([1], greedy("a", 2)).wait()).completion_tokens == 2
 
 
+@pytest.mark.slow
 async def test_close_and_reset_fence_their_own_session_only(client):
     for sid in ("a", "b", "c"):
         await client.open_session(sid)
@@ -382,6 +393,7 @@ async def test_close_and_reset_fence_their_own_session_only(client):
         await client.generate([1], greedy("b", 4)).wait()
 
 
+@pytest.mark.slow
 async def test_a_consumer_that_stops_reading_gets_slow_consumer_and_others_keep_streaming(worker_command):
     async with spawn_multiplexed_worker(worker_command, stream_buffer=4) as client:
         await client.open_session("stalled")
@@ -408,6 +420,7 @@ async def test_a_consumer_that_stops_reading_gets_slow_consumer_and_others_keep_
 # a dying worker
 
 
+@pytest.mark.slow
 async def test_worker_killed_mid_stream_fails_every_stream_and_call_and_is_reaped(client):
     for i in range(4):
         await client.open_session(f"s{i}")
@@ -454,6 +467,7 @@ async def test_worker_killed_mid_stream_fails_every_stream_and_call_and_is_reape
     await client.close()  # still fine, and idempotent
 
 
+@pytest.mark.slow
 async def test_worker_breaking_the_protocol_is_a_death(model_dir):
     # A worker that writes garbage on its reply pipe when asked to tokenize: the client stops it.
     wrapper = (
@@ -553,6 +567,7 @@ async def _outcome(call) -> BaseException | str:
     return "returned"
 
 
+@pytest.mark.slow
 async def test_a_stopped_worker_fails_streams_info_and_saves_after_the_liveness_timeout(
     worker_command, model_dir, tmp_path
 ):
@@ -591,6 +606,7 @@ async def test_a_stopped_worker_fails_streams_info_and_saves_after_the_liveness_
     assert await trio.to_thread.run_sync(store.list) == []
 
 
+@pytest.mark.slow
 async def test_a_long_forward_pass_is_not_silence(model_dir):
     # Every forward pass takes 1.5 s, longer than the 1 s liveness timeout: the worker's heartbeat
     # thread keeps it alive (heartbeats between steps would not).
@@ -635,6 +651,7 @@ _FAILING_ENGINE = (
 )
 
 
+@pytest.mark.slow
 async def test_an_engine_loop_failure_fails_every_live_stream_with_worker_died(model_dir):
     command = [sys.executable, "-c", _FAILING_ENGINE, "--model", str(model_dir), "--max_session_tokens", "512"]
     async with spawn_multiplexed_worker(command) as client:
@@ -758,6 +775,7 @@ async def _bad_call(client, runtime, checkpoint, call: str, slot: int, bad) -> N
         raise AssertionError(call)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )

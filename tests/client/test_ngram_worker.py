@@ -4,19 +4,17 @@ worker, and resume exactly in a plain worker (n-gram drafting holds no state of 
 
 from __future__ import annotations
 
+import pytest
 import trio
+from helpers.params import greedy
 
-from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker
-from muxworker.client.sessions import runs_draft_model
+from muxworker.client import SessionStore, default_worker_command, spawn_multiplexed_worker
 from muxworker.transport.messages import ModelInfo, WorkerInfo
 
 HANG_GUARD_S = 120.0
 
 
-def greedy(sid: str, n: int) -> GenerationParams:
-    return GenerationParams(session_id=sid, max_new_tokens=n, temperature=0.0, stop_token_ids=[])
-
-
+@pytest.mark.slow  # a real worker process (n-gram drafting in-process: tests/worker/engine)
 async def test_an_ngram_worker_reports_its_drafts_and_its_sessions_resume_in_a_plain_worker(tiny_llama_dir, tmp_path):
     flags = dict(dtype="float32", max_sessions=2, max_session_tokens=512)
     ngram = default_worker_command(tiny_llama_dir, speculative="ngram", n_draft=4, **flags)
@@ -27,7 +25,7 @@ async def test_an_ngram_worker_reports_its_drafts_and_its_sessions_resume_in_a_p
     prompt = [5 + (i * 7) % 90 for i in range(30)]
     with trio.fail_after(HANG_GUARD_S):
         async with spawn_multiplexed_worker(ngram, session_store=store) as client:
-            assert client.info.limits["speculative"] == "ngram" and not runs_draft_model(client.info)
+            assert client.info.limits["speculative"] == "ngram"
             await client.open_session("s")
             first = await client.generate(prompt, greedy("s", 100)).wait()
             assert first.draft_proposed_tokens > 0 and 0 < first.draft_accepted_tokens <= first.draft_proposed_tokens
@@ -41,11 +39,17 @@ async def test_an_ngram_worker_reports_its_drafts_and_its_sessions_resume_in_a_p
     assert resumed.generated_token_ids == live.generated_token_ids
 
 
-def test_a_draft_model_is_told_from_ngram_drafting_by_the_hello():
+def test_a_draft_model_is_told_from_ngram_drafting_by_the_hello(tmp_path):
+    """A store declaring no draft takes an n-gram worker (no state of its own) but not a draft model."""
+    from muxworker.client import ConfigurationMismatch
+    from muxworker.transport.checkpoint import IdentityInputs
+
     def info(limits):
         model = ModelInfo(name="m", architecture="llama", vocab_size=300, context_length=2048, has_chat_template=False)
         return WorkerInfo(protocol=(1, 0), model=model, backend="torch", device="cpu", dtype="float32", limits=limits)
 
-    assert runs_draft_model(info({"n_draft": 4}))
-    assert not runs_draft_model(info({"n_draft": 4, "speculative": "ngram"}))
-    assert not runs_draft_model(info({"n_draft": 0}))
+    store = SessionStore(tmp_path, identity="f" * 64, inputs=IdentityInputs((), {"draft": None, "n_draft": 0}))
+    store.check_worker(info({"n_draft": 4, "speculative": "ngram"}))
+    store.check_worker(info({"n_draft": 0}))
+    with pytest.raises(ConfigurationMismatch, match="draft: store"):
+        store.check_worker(info({"n_draft": 4}))

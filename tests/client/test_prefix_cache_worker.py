@@ -7,6 +7,9 @@ import trio
 
 from muxworker.client import GenerationParams, InvalidArgument, default_worker_command, spawn_multiplexed_worker
 
+# Real worker processes: the smoke tests of the feature (the prefix cache in-process: tests/worker/engine).
+pytestmark = pytest.mark.slow
+
 
 async def test_second_session_prefills_only_its_own_part(tiny_llama_dir):
     system = list(range(5, 305))  # a 300-token shared "system prompt"

@@ -1,4 +1,6 @@
-"""SessionRuntime against a real worker subprocess on a tiny random model.
+"""SessionRuntime over the in-process fake worker (tests/helpers/fake_worker.py), which answers in
+milliseconds with the engine's rules; the tests marked ``worker`` also run on a real worker
+subprocess on a tiny random model (slow): one per feature, the same assertions.
 
 Order and overlap are proven by the order of events (request ids, which history a generation
 reused, which delta came first), never by durations. trio.fail_after is a hang guard only.
@@ -16,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
+from helpers.fake_worker import FakeStore, FakeWorkerClient, fake_worker_client
+from helpers.params import greedy
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -40,19 +44,19 @@ HANG_GUARD_S = 60.0
 CONFIG = {"backend": "torch", "dtype": "float32"}
 PROMPT = list(range(10, 30))  # token ids; the tiny vocabulary has a few hundred
 LONG = 4000  # a generation that runs until it is cancelled (max_session_tokens is 4096)
+LIMITS = dict(max_sessions=8, max_session_tokens=4096, max_inflight_requests=8)
+# A test parametrized with this runs on the fake worker, and on a real one in the slow tier.
+BOTH = pytest.mark.parametrize("backend", ["fake", pytest.param("worker", marks=pytest.mark.slow)], indirect=True)
 
 
-def greedy(n: int) -> SimpleNamespace:
-    # No session_id (the runtime's argument sets it) and no stop tokens: every generation runs
-    # to its length unless cancelled.
-    return SimpleNamespace(max_new_tokens=n, temperature=0.0, stop_token_ids=[])
+@pytest.fixture
+def backend(request) -> str:
+    return getattr(request, "param", "fake")
 
 
 @pytest.fixture(scope="module")
 def worker_command(tiny_llama_dir):
-    return default_worker_command(
-        tiny_llama_dir, dtype="float32", max_sessions=8, max_session_tokens=4096, max_inflight_requests=8
-    )
+    return default_worker_command(tiny_llama_dir, dtype="float32", **LIMITS)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +64,51 @@ def model_files(tiny_llama_dir):
     return sorted(p for p in Path(tiny_llama_dir).iterdir() if p.is_file())
 
 
-@pytest.fixture
-async def store(tmp_path, model_files):
-    return await SessionStore.create(tmp_path / "s", model_files=model_files, configuration=CONFIG)
+async def _real_store(path: Path, model_files, cls=SessionStore):
+    identity = (await SessionStore.create(path, model_files=model_files, configuration=CONFIG)).identity
+    return cls(path, identity=identity)
 
 
 @pytest.fixture
-async def client(worker_command, store):
-    async with spawn_multiplexed_worker(worker_command, session_store=store) as c:
+async def store(backend, tmp_path, request):
+    if backend == "fake":
+        return FakeStore()
+    return await SessionStore.create(
+        tmp_path / "s", model_files=request.getfixturevalue("model_files"), configuration=CONFIG
+    )
+
+
+def _spawn(backend: str, store, request, **kw):
+    """The client of the test's backend (an async context manager)."""
+    if backend == "fake":
+        return fake_worker_client(session_store=store, **LIMITS, **kw)
+    return spawn_multiplexed_worker(request.getfixturevalue("worker_command"), session_store=store, **kw)
+
+
+@pytest.fixture
+async def client(backend, store, request):
+    async with _spawn(backend, store, request) as c:
         yield c
 
 
 @pytest.fixture
 def runtime(client):
     return SessionRuntime(client)
+
+
+def kill_worker(client) -> None:
+    if isinstance(client, FakeWorkerClient):
+        client.kill()
+    else:
+        os.kill(client.pid, signal.SIGKILL)
+
+
+def stop_worker(client) -> None:
+    """SIGSTOP: the worker answers nothing more."""
+    if isinstance(client, FakeWorkerClient):
+        client.hang()
+    else:
+        os.kill(client.pid, signal.SIGSTOP)
 
 
 async def first_delta(stream) -> None:
@@ -94,18 +129,19 @@ async def test_capacity_is_the_smaller_of_the_worker_limit_and_the_argument(clie
             SessionRuntime(client, max_concurrent_requests=bad)
 
 
+@BOTH
 async def test_a_request_beyond_capacity_fails_at_once(client):
     runtime = SessionRuntime(client, max_concurrent_requests=3)
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
         await runtime.open_session("b")
-        ga = runtime.generate("a", PROMPT, greedy(LONG))
-        gb = runtime.generate("b", PROMPT, greedy(LONG))
-        ga2 = runtime.generate("a", PROMPT, greedy(4))  # waits behind ga: still admitted
+        ga = runtime.generate("a", PROMPT, greedy(n=LONG))
+        gb = runtime.generate("b", PROMPT, greedy(n=LONG))
+        ga2 = runtime.generate("a", PROMPT, greedy(n=4))  # waits behind ga: still admitted
         assert runtime.admitted == 3
 
         with pytest.raises(CapacityExhausted):
-            runtime.generate("c", PROMPT, greedy(4))
+            runtime.generate("c", PROMPT, greedy(n=4))
         # Refused at its first step: in a hidden queue it would have met the cancelled scope
         # instead, and the scope would have swallowed the Cancelled.
         with pytest.raises(CapacityExhausted):
@@ -133,8 +169,8 @@ async def test_closes_and_server_saves_are_never_refused_for_capacity(client, st
     with trio.fail_after(HANG_GUARD_S):
         for sid in ("a", "b"):
             await runtime.open_session(sid)
-        await runtime.generate("b", PROMPT, greedy(4)).wait()
-        busy = runtime.generate("a", PROMPT, greedy(LONG))
+        await runtime.generate("b", PROMPT, greedy(n=4)).wait()
+        busy = runtime.generate("a", PROMPT, greedy(n=LONG))
         await first_delta(busy)
         assert runtime.admitted == 1
         with pytest.raises(CapacityExhausted):
@@ -144,7 +180,7 @@ async def test_closes_and_server_saves_are_never_refused_for_capacity(client, st
         await runtime.close_session("b")
         assert runtime.admitted == 1 and runtime.session_state("b") is None
         with pytest.raises(CapacityExhausted):
-            runtime.generate("a", PROMPT, greedy(4))  # the client's capacity is as it was
+            runtime.generate("a", PROMPT, greedy(n=4))  # the client's capacity is as it was
         busy.cancel()
         assert (await busy.wait()).finish_reason == "cancelled"
         assert runtime.admitted == 0 and runtime.leased_sessions == 0
@@ -160,6 +196,7 @@ async def test_params_naming_another_session_are_refused(runtime):
 # leases
 
 
+@BOTH
 async def test_one_session_runs_its_operations_in_arrival_order(runtime):
     """Five tasks submit to one session, in a known order, behind a running generation; each
     effect shows what ran before it."""
@@ -173,7 +210,7 @@ async def test_one_session_runs_its_operations_in_arrival_order(runtime):
             results[name] = exc
 
     async def generation(name: str, n: int) -> None:
-        streams[name] = stream = runtime.generate("s", PROMPT, greedy(n))
+        streams[name] = stream = runtime.generate("s", PROMPT, greedy(n=n))
         await collect(name, stream)
 
     async def call(name: str, method) -> None:
@@ -186,7 +223,7 @@ async def test_one_session_runs_its_operations_in_arrival_order(runtime):
         await runtime.open_session("s")
         async with trio.open_nursery() as nursery:
             # g1 holds the lease until it is cancelled below; its prompt is in the history.
-            streams["g1"] = g1 = runtime.generate("s", PROMPT, greedy(LONG))
+            streams["g1"] = g1 = runtime.generate("s", PROMPT, greedy(n=LONG))
             await first_delta(g1)
             nursery.start_soon(collect, "g1", g1)
             # Each submitter starts only once the one before it is blocked, i.e. admitted.
@@ -221,9 +258,9 @@ async def test_two_sessions_generate_at_the_same_time(runtime):
         await runtime.open_session("a")
         await runtime.open_session("b")
         events: list[str] = []
-        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        ga = runtime.generate("a", PROMPT, greedy(n=LONG))
         await first_delta(ga)
-        gb = runtime.generate("b", PROMPT, greedy(8))
+        gb = runtime.generate("b", PROMPT, greedy(n=8))
 
         async def consume(name, stream):
             async for _ in stream:
@@ -249,8 +286,8 @@ async def test_two_sessions_generate_at_the_same_time(runtime):
 async def test_a_generation_cancelled_while_queued_never_runs(runtime):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("s")
-        g1 = runtime.generate("s", PROMPT, greedy(16))
-        g2 = runtime.generate("s", [40, 41, 42], greedy(16))
+        g1 = runtime.generate("s", PROMPT, greedy(n=16))
+        g2 = runtime.generate("s", [40, 41, 42], greedy(n=16))
         g2.cancel()
         assert runtime.admitted == 1  # left its lane at once
         assert await g2.wait() == GenerationResult.cancelled_locally()
@@ -259,14 +296,14 @@ async def test_a_generation_cancelled_while_queued_never_runs(runtime):
         assert r1.finish_reason == "length"
 
         # The same for a lifecycle call whose caller is cancelled while it waits.
-        g3 = runtime.generate("s", PROMPT, greedy(16))
+        g3 = runtime.generate("s", PROMPT, greedy(n=16))
         with trio.CancelScope() as scope:
             scope.cancel()
             await runtime.reset_session("s")
         assert scope.cancelled_caught and runtime.admitted == 1
         r3 = await g3.wait()
         history = PROMPT + r3.generated_token_ids
-        r4 = await runtime.generate("s", history, greedy(1)).wait()
+        r4 = await runtime.generate("s", history, greedy(n=1)).wait()
         assert r4.reused_prompt_tokens == len(history) - 1  # no reset ran in between
 
 
@@ -274,8 +311,9 @@ async def test_a_generation_cancelled_while_running_ends_only_itself(runtime):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
         await runtime.open_session("b")
-        ga = runtime.generate("a", PROMPT, greedy(LONG))
-        gb = runtime.generate("b", PROMPT, greedy(64))
+        ga = runtime.generate("a", PROMPT, greedy(n=LONG))
+        # Any object with the params' attributes will do, without a session_id (the runtime sets it).
+        gb = runtime.generate("b", PROMPT, SimpleNamespace(max_new_tokens=64, temperature=0.0, stop_token_ids=[]))
         await first_delta(ga)
         ga.cancel()
         ra = await ga.wait()
@@ -283,14 +321,14 @@ async def test_a_generation_cancelled_while_running_ends_only_itself(runtime):
         rb = await gb.wait()
         assert rb.finish_reason == "length" and rb.completion_tokens == 64
         # The lease of a came back with the worker's reply: a new generation there is not busy.
-        assert (await runtime.generate("a", PROMPT, greedy(2)).wait()).finish_reason == "length"
+        assert (await runtime.generate("a", PROMPT, greedy(n=2)).wait()).finish_reason == "length"
         assert runtime.admitted == 0 and runtime.leased_sessions == 0
 
 
 async def test_a_cancelled_lifecycle_call_returns_at_once_and_settles_under_the_lease(runtime, store):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("s")
-        r = await runtime.generate("s", PROMPT, greedy(8)).wait()
+        r = await runtime.generate("s", PROMPT, greedy(n=8)).wait()
 
         # A checkpoint call cancelled before its transfer started never starts, even though it
         # was given the lease at once (issue 13 item 10: it used to run after its caller left).
@@ -305,7 +343,7 @@ async def test_a_cancelled_lifecycle_call_returns_at_once_and_settles_under_the_
         assert await trio.to_thread.run_sync(store.list) == ["s"]
         assert await runtime.resume_session("s") == "s"
         history = PROMPT + r.generated_token_ids
-        resumed = await runtime.generate("s", history, greedy(1)).wait()
+        resumed = await runtime.generate("s", history, greedy(n=1)).wait()
         assert resumed.reused_prompt_tokens == len(history) - 1
 
         with trio.CancelScope() as scope:
@@ -314,7 +352,7 @@ async def test_a_cancelled_lifecycle_call_returns_at_once_and_settles_under_the_
         # It still settles under the lease (its lane is held), outside the capacity.
         assert scope.cancelled_caught and runtime.leased_sessions == 1 and runtime.admitted == 0
         with pytest.raises(SessionNotFound):
-            await runtime.generate("s", PROMPT, greedy(1)).wait()  # ran after the close
+            await runtime.generate("s", PROMPT, greedy(n=1)).wait()  # ran after the close
         await runtime.open_session("s")  # no SessionExists: the close ran first
         assert runtime.admitted == 0 and runtime.leased_sessions == 0
 
@@ -323,10 +361,11 @@ async def test_a_cancelled_lifecycle_call_returns_at_once_and_settles_under_the_
 # save and resume
 
 
+@BOTH
 async def test_a_save_submitted_during_a_generation_waits_for_it(runtime, store):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("s")
-        g = runtime.generate("s", PROMPT, greedy(200))
+        g = runtime.generate("s", PROMPT, greedy(n=200))
         await first_delta(g)
         await runtime.save_session("s")  # no Unsaveable "busy generating"
         assert g.finished
@@ -341,7 +380,7 @@ async def test_a_save_submitted_during_a_generation_waits_for_it(runtime, store)
 
         await runtime.close_session("s")
         await runtime.resume_session("s")
-        resumed = await runtime.generate("s", history, greedy(1)).wait()
+        resumed = await runtime.generate("s", history, greedy(n=1)).wait()
         assert resumed.reused_prompt_tokens == len(history) - 1
 
 
@@ -354,8 +393,8 @@ async def test_aclose_worker_settles_work_in_flight(runtime, client, store):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
         await runtime.open_session("b")
-        await runtime.generate("b", PROMPT, greedy(4)).wait()
-        ga = runtime.generate("a", PROMPT, greedy(1000))
+        await runtime.generate("b", PROMPT, greedy(n=4)).wait()
+        ga = runtime.generate("a", PROMPT, greedy(n=1000))
 
         async def save_a() -> None:
             outcomes["save a"] = await runtime.save_session("a")
@@ -375,7 +414,7 @@ async def test_aclose_worker_settles_work_in_flight(runtime, client, store):
         assert await trio.to_thread.run_sync(store.list) == ["a"]
         assert not client.is_usable and client.returncode == 0
         with pytest.raises(ClientClosedError):
-            runtime.generate("a", PROMPT, greedy(1))
+            runtime.generate("a", PROMPT, greedy(n=1))
         with pytest.raises(ClientClosedError):
             await runtime.open_session("c")
 
@@ -385,10 +424,11 @@ async def test_aclose_worker_settles_work_in_flight(runtime, client, store):
             nursery.start_soon(runtime.aclose_worker)
 
 
+@BOTH
 async def test_concurrent_aclose_worker_calls_all_wait_for_the_close(runtime, client):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
-        g = runtime.generate("a", PROMPT, greedy(100))
+        g = runtime.generate("a", PROMPT, greedy(n=100))
         returned = []
 
         async def close(name):
@@ -408,8 +448,8 @@ async def test_a_cancelled_aclose_worker_cancels_generations_and_still_closes(ru
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
         await runtime.open_session("b")
-        ga = runtime.generate("a", PROMPT, greedy(LONG))
-        ga2 = runtime.generate("a", PROMPT, greedy(4))  # waits behind ga
+        ga = runtime.generate("a", PROMPT, greedy(n=LONG))
+        ga2 = runtime.generate("a", PROMPT, greedy(n=4))  # waits behind ga
         await first_delta(ga)
         outcomes: dict[str, object] = {}
 
@@ -435,10 +475,11 @@ async def test_a_cancelled_aclose_worker_cancels_generations_and_still_closes(ru
         assert isinstance(outcomes["reset a"], ClientClosedError)
 
 
+@BOTH
 async def test_a_dead_worker_fails_every_operation_and_frees_every_lease(runtime, client):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
-        ga = runtime.generate("a", PROMPT, greedy(LONG))
+        ga = runtime.generate("a", PROMPT, greedy(n=LONG))
         await first_delta(ga)
         outcomes: dict[str, BaseException] = {}
 
@@ -451,7 +492,7 @@ async def test_a_dead_worker_fails_every_operation_and_frees_every_lease(runtime
         async with trio.open_nursery() as nursery:
             nursery.start_soon(save_a)  # waits behind ga
             await trio.testing.wait_all_tasks_blocked()
-            os.kill(client.pid, signal.SIGKILL)
+            kill_worker(client)
         with pytest.raises(WorkerDiedError) as died:
             await ga.wait()
         assert died.value.returncode == -signal.SIGKILL
@@ -484,12 +525,7 @@ operation = st.tuples(
 )
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(ops=st.lists(operation, min_size=200, max_size=200))
-async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, tmp_path_factory, model_files):
-    store = await SessionStore.create(
-        tmp_path_factory.mktemp("rt") / "s", model_files=model_files, configuration=CONFIG
-    )
+async def _random_operations(ops, spawn, store) -> None:
     refused = 0
     seen: set[str] = set()
 
@@ -503,7 +539,7 @@ async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, 
         assert "busy" not in str(exc), repr(exc)
         seen.add(type(exc).__name__)
 
-    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+    async with spawn() as client:
         runtime = SessionRuntime(client, max_concurrent_requests=4)
         with trio.fail_after(HANG_GUARD_S):
             streams = []
@@ -539,7 +575,7 @@ async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, 
                             streams[(step * 7919) % len(streams)].cancel()
                     elif kind == "generate":
                         try:
-                            stream = runtime.generate(sid, [10 + step % 50, 11, 12], greedy(1 + step % 4))
+                            stream = runtime.generate(sid, [10 + step % 50, 11, 12], greedy(n=1 + step % 4))
                         except CapacityExhausted:
                             check_refusal()
                         else:
@@ -595,8 +631,30 @@ async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, 
             assert client.is_usable
             assert (await client.query_info())["inflight_requests"] == 0
             await runtime.open_session("fresh")
-            assert (await runtime.generate("fresh", PROMPT, greedy(2)).wait()).completion_tokens == 2
+            assert (await runtime.generate("fresh", PROMPT, greedy(n=2)).wait()).completion_tokens == 2
             await runtime.aclose_worker()
+
+
+RANDOM_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=25, **RANDOM_SETTINGS)
+@given(ops=st.lists(operation, min_size=200, max_size=200))
+async def test_random_operations_leak_no_lease_or_capacity(ops):
+    store = FakeStore()
+    await _random_operations(ops, lambda: fake_worker_client(session_store=store, **LIMITS), store)
+
+
+@pytest.mark.slow
+@settings(max_examples=3, **RANDOM_SETTINGS)  # the smoke test: the mix itself runs 25 times above
+@given(ops=st.lists(operation, min_size=200, max_size=200))
+async def test_random_operations_on_a_worker_leak_no_lease_or_capacity(
+    ops, worker_command, tmp_path_factory, model_files
+):
+    store = await SessionStore.create(
+        tmp_path_factory.mktemp("rt") / "s", model_files=model_files, configuration=CONFIG
+    )
+    await _random_operations(ops, lambda: spawn_multiplexed_worker(worker_command, session_store=store), store)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,7 +662,8 @@ async def test_random_operations_leak_no_lease_or_capacity(ops, worker_command, 
 
 
 class _HeldStore(SessionStore):
-    """A store whose saves wait until the test releases them; records what was saved."""
+    """A store whose saves wait until the test releases them; records what was saved. The same
+    interface as FakeStore's hold_saves, wait_entered and release."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -620,21 +679,36 @@ class _HeldStore(SessionStore):
         self.saved.append(plan.session_id)
         return manifest
 
+    def hold_saves(self) -> None:
+        pass  # always held
 
-async def _held_store(path, model_files) -> _HeldStore:
-    identity = (await SessionStore.create(path, model_files=model_files, configuration=CONFIG)).identity
-    return _HeldStore(path, identity=identity)
+    async def wait_entered(self) -> None:
+        await trio.to_thread.run_sync(self.entered.wait)
+
+    def release(self) -> None:
+        self.hold.set()
+
+
+@pytest.fixture
+async def held_store(backend, tmp_path, request):
+    if backend == "fake":
+        store = FakeStore()
+    else:
+        store = await _real_store(tmp_path / "s", request.getfixturevalue("model_files"), _HeldStore)
+    store.hold_saves()
+    return store
 
 
 async def _with_history(runtime, *sids: str) -> None:
     for sid in sids:
         await runtime.open_session(sid)
-        await runtime.generate(sid, PROMPT, greedy(4)).wait()
+        await runtime.generate(sid, PROMPT, greedy(n=4)).wait()
 
 
-async def test_a_save_cancelled_in_the_clients_checkpoint_queue_never_starts(worker_command, model_files, tmp_path):
-    store = await _held_store(tmp_path / "s", model_files)
-    async with spawn_multiplexed_worker(worker_command, session_store=store) as client:
+@BOTH
+async def test_a_save_cancelled_in_the_clients_checkpoint_queue_never_starts(backend, held_store, request):
+    store = held_store
+    async with _spawn(backend, store, request) as client:
         runtime = SessionRuntime(client)
         await _with_history(runtime, "a", "b")
         outcome: dict[str, str] = {}
@@ -650,56 +724,66 @@ async def test_a_save_cancelled_in_the_clients_checkpoint_queue_never_starts(wor
                     outcome["b"] = "cancelled"
 
                 nursery.start_soon(runtime.save_session, "a")
-                await trio.to_thread.run_sync(store.entered.wait)  # a holds the client's checkpoint queue
+                await store.wait_entered()  # a holds the client's checkpoint queue
                 nursery.start_soon(save_b)
                 await trio.testing.wait_all_tasks_blocked()
                 assert runtime.admitted == 2
                 queued.cancel()
                 await trio.testing.wait_all_tasks_blocked()
                 assert outcome == {"b": "cancelled"} and runtime.admitted == 1  # b left at once
-                store.hold.set()
+                store.release()
         assert store.saved == ["a"]  # b never ran, not even after a's save released the queue
         await runtime.export_checkpoint_to_cpu("b")  # b's lane and the queue are free
         assert await trio.to_thread.run_sync(store.list) == ["a"]
         await runtime.aclose_worker()
 
 
-async def test_a_hung_worker_ends_stuck_checkpoint_calls_and_caller_deadlines_work_while_queued(
-    worker_command, model_files, tmp_path
-):
+async def _hung_worker_scenario(client, store, liveness_timeout: float) -> None:
+    runtime = SessionRuntime(client, max_concurrent_requests=3)
+    await _with_history(runtime, "a", "b", "c")
+    stop_worker(client)
+    events: list[str] = []
+    errors: dict[str, BaseException] = {}
+
+    async def save(sid: str) -> None:
+        try:
+            await runtime.save_session(sid)
+        except WorkerDiedError as exc:
+            errors[sid] = exc
+            events.append(f"{sid} died")
+
+    with trio.fail_after(HANG_GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(save, "a")  # its export is written, then nothing comes back
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(liveness_timeout / 6) as deadline:
+                await runtime.save_session("b")  # queued behind a's transfer: the deadline works
+            assert deadline.cancelled_caught
+            events.append("b gave up")
+            await trio.testing.wait_all_tasks_blocked()  # b's own task has settled it
+            assert runtime.admitted == 1  # only a is still stuck
+            nursery.start_soon(save, "c")
+    # Every stuck operation ended with the worker's death, and none holds the capacity.
+    assert events[0] == "b gave up" and sorted(errors) == ["a", "c"]
+    assert all(f"no heartbeat for {liveness_timeout:g} s" in str(exc) for exc in errors.values())
+    assert runtime.admitted == 0 and runtime.leased_sessions == 0
+    for _ in range(runtime.capacity + 1):  # the worker's death, never CapacityExhausted
+        with pytest.raises(WorkerDiedError):
+            await runtime.open_session("later")
+    assert client.returncode == -signal.SIGKILL
+    assert await trio.to_thread.run_sync(store.list) == []
+    await runtime.aclose_worker()
+
+
+async def test_a_hung_worker_ends_stuck_checkpoint_calls_and_caller_deadlines_work_while_queued(autojump_clock):
+    # Virtual time: the liveness timeout and the caller's deadline pass as soon as all is blocked.
+    store = FakeStore()
+    async with fake_worker_client(session_store=store, liveness_timeout=3.0, **LIMITS) as client:
+        await _hung_worker_scenario(client, store, 3.0)
+
+
+@pytest.mark.slow
+async def test_a_hung_worker_process_ends_stuck_checkpoint_calls(worker_command, model_files, tmp_path):
     store = await SessionStore.create(tmp_path / "s", model_files=model_files, configuration=CONFIG)
     async with spawn_multiplexed_worker(worker_command, session_store=store, liveness_timeout=3.0) as client:
-        runtime = SessionRuntime(client, max_concurrent_requests=3)
-        await _with_history(runtime, "a", "b", "c")
-        os.kill(client.pid, signal.SIGSTOP)
-        events: list[str] = []
-        errors: dict[str, BaseException] = {}
-
-        async def save(sid: str) -> None:
-            try:
-                await runtime.save_session(sid)
-            except WorkerDiedError as exc:
-                errors[sid] = exc
-                events.append(f"{sid} died")
-
-        with trio.fail_after(HANG_GUARD_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(save, "a")  # its export is written, then nothing comes back
-                await trio.testing.wait_all_tasks_blocked()
-                with trio.move_on_after(0.5) as deadline:
-                    await runtime.save_session("b")  # queued behind a's transfer: the deadline works
-                assert deadline.cancelled_caught
-                events.append("b gave up")
-                await trio.testing.wait_all_tasks_blocked()  # b's own task has settled it
-                assert runtime.admitted == 1  # only a is still stuck
-                nursery.start_soon(save, "c")
-        # Every stuck operation ended with the worker's death, and none holds the capacity.
-        assert events[0] == "b gave up" and sorted(errors) == ["a", "c"]
-        assert all("no heartbeat for 3 s" in str(exc) for exc in errors.values())
-        assert runtime.admitted == 0 and runtime.leased_sessions == 0
-        for _ in range(runtime.capacity + 1):  # the worker's death, never CapacityExhausted
-            with pytest.raises(WorkerDiedError):
-                await runtime.open_session("later")
-        assert client.returncode == -signal.SIGKILL
-        assert await trio.to_thread.run_sync(store.list) == []
-        await runtime.aclose_worker()
+        await _hung_worker_scenario(client, store, 3.0)

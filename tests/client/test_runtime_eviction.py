@@ -1,19 +1,22 @@
-"""SessionRuntime(evict_idle_to_store=True) against real worker subprocesses: idle sessions are saved
-to the store and closed when the worker's slots run out, and resumed on their next use.
+"""SessionRuntime(evict_idle_to_store=True): idle sessions are saved to the store and closed when the
+worker's slots run out, and resumed on their next use.
 
-The policy's rules run on a tiny random model (a worker starts in about a second); the end-to-end
-check runs the bundled SmolLM2 with float weights in float32 and greedy decoding, where a resumed
-session must continue exactly like one that never left its slot. trio.fail_after is a hang guard.
+The policy's rules run over the in-process fake worker (tests/helpers/fake_worker.py: two slots,
+the engine's history and refusal rules); the tests marked ``worker`` also run on a real worker
+subprocess on a tiny random model (slow). The end-to-end check runs the bundled SmolLM2 with float
+weights in float32 and greedy decoding, where a resumed session must continue exactly like one
+that never left its slot. trio.fail_after is a hang guard.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import trio
+from helpers.fake_worker import FakeStore, fake_worker_client
+from helpers.params import greedy
 
 from muxworker.client import (
     CapacityExhausted,
@@ -32,29 +35,38 @@ HANG_GUARD_S = 60.0
 CONFIG = {"backend": "torch", "dtype": "float32"}
 PROMPT = list(range(10, 30))  # token ids; the tiny vocabulary has a few hundred
 LONG = 4000  # runs until cancelled
+LIMITS = dict(max_sessions=2, max_session_tokens=4096, max_inflight_requests=8)
+# A test parametrized with this runs on the fake worker, and on a real one in the slow tier.
+BOTH = pytest.mark.parametrize("backend", ["fake", pytest.param("worker", marks=pytest.mark.slow)], indirect=True)
 
 
-def greedy(n: int) -> SimpleNamespace:
-    return SimpleNamespace(max_new_tokens=n, temperature=0.0, stop_token_ids=[])
+@pytest.fixture
+def backend(request) -> str:
+    return getattr(request, "param", "fake")
 
 
 @pytest.fixture(scope="module")
 def worker_command(tiny_llama_dir):
-    return default_worker_command(
-        tiny_llama_dir, dtype="float32", max_sessions=2, max_session_tokens=4096, max_inflight_requests=8
-    )
+    return default_worker_command(tiny_llama_dir, dtype="float32", **LIMITS)
 
 
 @pytest.fixture
-async def store(tmp_path, tiny_llama_dir):
-    files = sorted(p for p in Path(tiny_llama_dir).iterdir() if p.is_file())
+async def store(backend, tmp_path, request):
+    if backend == "fake":
+        return FakeStore()
+    model_dir = request.getfixturevalue("tiny_llama_dir")
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
     return await SessionStore.create(tmp_path / "s", model_files=files, configuration=CONFIG)
 
 
 @pytest.fixture
-async def client(worker_command, store):
-    async with spawn_multiplexed_worker(worker_command, session_store=store) as c:
-        yield c
+async def client(backend, store, request):
+    if backend == "fake":
+        async with fake_worker_client(session_store=store, **LIMITS) as c:
+            yield c
+    else:
+        async with spawn_multiplexed_worker(request.getfixturevalue("worker_command"), session_store=store) as c:
+            yield c
 
 
 @pytest.fixture
@@ -68,7 +80,7 @@ async def saved(store) -> list[str]:
 
 async def turn(runtime, sid: str, prompt: list[int], n: int = 4) -> tuple[list[int], RuntimeGenerationResult]:
     """One generation; returns the session's history after it (prompt plus generated) and the result."""
-    result = await runtime.generate(sid, prompt, greedy(n)).wait()
+    result = await runtime.generate(sid, prompt, greedy(n=n)).wait()
     return prompt + result.generated_token_ids, result
 
 
@@ -76,6 +88,7 @@ async def turn(runtime, sid: str, prompt: list[int], n: int = 4) -> tuple[list[i
 # the policy
 
 
+@BOTH
 async def test_the_least_recently_used_idle_session_is_evicted_and_resumed_on_demand(runtime, store):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
@@ -160,8 +173,8 @@ async def test_with_no_idle_session_an_open_fails_at_once(runtime, store):
         history_a, _ = await turn(runtime, "a", PROMPT)
         await runtime.open_session("b")
         await runtime.open_session("c")  # evicts a
-        gb = runtime.generate("b", PROMPT, greedy(LONG))
-        gc = runtime.generate("c", PROMPT, greedy(LONG))
+        gb = runtime.generate("b", PROMPT, greedy(n=LONG))
+        gc = runtime.generate("c", PROMPT, greedy(n=LONG))
         await gb.__anext__()
         await gc.__anext__()
 
@@ -171,7 +184,7 @@ async def test_with_no_idle_session_an_open_fails_at_once(runtime, store):
         assert not isinstance(refused.value, EvictionFailed)
         # The same for a generation that needs a's slot back; a stays evicted, nothing is lost.
         with pytest.raises(CapacityExhausted, match="no idle session"):
-            await runtime.generate("a", history_a, greedy(2)).wait()
+            await runtime.generate("a", history_a, greedy(n=2)).wait()
         assert runtime.session_state("a") == "evicted" and runtime.session_state("d") is None
         assert not gb.finished and not gc.finished
 
@@ -195,7 +208,7 @@ async def test_a_session_opened_not_evictable_is_never_evicted(runtime, store):
         await runtime.open_session("b")  # evicts "a", the only evictable idle one
         assert runtime.session_state("pinned") == "live" and runtime.session_state("a") == "evicted"
         assert await saved(store) == ["a"]
-        stream = runtime.generate("b", PROMPT, greedy(LONG))
+        stream = runtime.generate("b", PROMPT, greedy(n=LONG))
         with pytest.raises(CapacityExhausted):
             await runtime.open_session("c")  # "b" is busy and "pinned" may not go
         await stream.aclose()  # now idle: "b" goes for "c", never "pinned"
@@ -204,6 +217,7 @@ async def test_a_session_opened_not_evictable_is_never_evicted(runtime, store):
         assert runtime.session_state("b") == "evicted" and "pinned" not in await saved(store)
 
 
+@BOTH
 async def test_a_failed_save_during_eviction_keeps_the_session_live(runtime, store):
     with trio.fail_after(HANG_GUARD_S):
         await runtime.open_session("a")
@@ -233,6 +247,7 @@ async def test_a_failed_save_during_eviction_keeps_the_session_live(runtime, sto
         assert resumed.resumed_from_store is True and resumed.reused_prompt_tokens == len(history_b) - 1
 
 
+@BOTH
 async def test_concurrent_sessions_three_times_the_slots_lose_no_history(client, store):
     """Six sessions on two slots, all chatting at once: a turn that finds no idle session to evict
     is refused (and retried); every turn reuses its session's whole committed history, resumed from
@@ -255,7 +270,7 @@ async def test_concurrent_sessions_three_times_the_slots_lose_no_history(client,
         for k in range(4):
             while True:
                 try:
-                    result = await runtime.generate(sid, history, greedy(3)).wait()
+                    result = await runtime.generate(sid, history, greedy(n=3)).wait()
                     break
                 except CapacityExhausted:
                     refusals += 1
@@ -336,7 +351,7 @@ async def test_smollm2_six_sessions_on_two_slots_continue_like_a_run_that_never_
                     results = {}
                     for run, runtime in (("reference", reference), ("evicting", evicting)):
                         prompt = contexts[run][sid] + [text]
-                        results[run] = result = await runtime.generate(sid, prompt, greedy(NEW_TOKENS)).wait()
+                        results[run] = result = await runtime.generate(sid, prompt, greedy(n=NEW_TOKENS)).wait()
                         contexts[run][sid] = prompt + [result.generated_token_ids]
                     ref, got = results["reference"], results["evicting"]
                     where = f"step {step}, {sid} turn {done[sid]}"

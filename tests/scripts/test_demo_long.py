@@ -20,6 +20,7 @@ def _num(text: str) -> int:
     return int(text.replace(",", ""))
 
 
+@pytest.mark.slow  # the demo spawns and restarts real workers
 def test_the_demo_resumes_a_long_conversation(tiny_llama_dir, tmp_path):
     argv = [sys.executable, str(DEMO), "--model", str(tiny_llama_dir), "--threads", "1", "--store", str(tmp_path)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)

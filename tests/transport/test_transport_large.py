@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from muxworker.transport import make_pipe
 
 GiB = 1 << 30
@@ -49,6 +51,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # moves a GiB through a pipe; the framing of large payloads is also in test_transport_pipes
 def test_one_gib_payload_between_two_processes():
     r, w = make_pipe()
     reader = subprocess.Popen([sys.executable, "-c", READER, str(r)], pass_fds=[r], stdout=subprocess.PIPE)

@@ -1,0 +1,879 @@
+"""An in-process stand-in for a worker and its client: :class:`FakeWorkerClient`, a
+``MultiplexedWorkerClient`` whose requests a scripted engine answers in this trio thread (no
+process, no pipes, no model), and :class:`FakeStore`, a session store kept in a dict.
+
+It exists so that what is built *on* the client (``SessionRuntime``'s leases, admission, eviction
+and cancellation; the HTTP service) can be tested in milliseconds. The client itself, the worker
+and the stores keep their real-process tests; a few smoke tests per feature run the same code on a
+real worker (marked slow).
+
+What the fake engine keeps of the real one (worker/engine/core.py), so that tests over it can fail
+the way they would on a worker:
+
+- Sessions and their history: a generation's prompt reuses the longest common prefix with the
+  session's committed tokens that have KV (at most ``len(prompt) - 1``: the last prompt token is
+  always run), reported as ``reused_prompt_tokens``; after a turn the last sampled token has no KV
+  (``kv_len == len(tokens) - 1``); a cancelled turn keeps what it streamed. The next token is a
+  function of the history only, so a resumed session continues exactly like one that never left.
+- The engine's refusals: ``SessionExists``, ``SessionNotFound``, ``SessionBusy`` (a second
+  generation, or a request on a session being saved), ``Unsaveable`` ("busy generating", "empty"),
+  ``CapacityExhausted`` (``max_sessions`` slots, ``max_inflight_requests`` generations),
+  ``ContextOverflow``, ``CheckpointNotFound``; close and reset cancel a running generation first.
+- One engine loop: requests are taken in arrival order between steps; each step (``step_s`` apart)
+  gives every running generation up to ``tokens_per_step`` tokens in one token frame, so
+  generations of different sessions interleave.
+- The client's rules: request ids grow in call order; argument checks are the real client's;
+  checkpoint calls queue on one fair lock, are cancellable until their transfer starts and shielded
+  after; a lifecycle call whose caller gives up still runs in the worker; :meth:`close` lets the
+  worker answer what was sent and cancels running generations, then calls fail with
+  ``ClientClosedError``; a dead worker (:meth:`kill`) fails every pending and later call with one
+  ``WorkerDiedError``; a hung worker (:meth:`hang`) is declared dead after ``liveness_timeout``
+  seconds of silence with requests pending ("no heartbeat for N s", SIGKILL); a consumer more than
+  ``stream_buffer`` deltas behind gets ``SlowConsumer``.
+- Failures on demand: :meth:`fail_next` makes the engine refuse the next request of a kind.
+
+Checkpoints are :class:`FakeCheckpoint` (token ids and a position; ``nbytes`` as if each row held
+``ROW_BYTES`` of KV); saves and resumes go through the client's :class:`FakeStore`.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from muxworker.client.client import (
+    DEFAULT_STREAM_BUFFER,
+    MultiplexedWorkerClient,
+    _check_bool,
+    _check_session_id,
+    _given_token_count,
+    _prompt_segments,
+    _token_array,
+)
+from muxworker.client.params import ChatPrompt, GenerationResult, ModelInfo, WorkerInfo, params_to_wire
+from muxworker.client.sessions import SaveResult
+from muxworker.transport.errors import (
+    CapacityExhausted,
+    CheckpointNotFound,
+    CheckpointTooLarge,
+    ClientClosedError,
+    ConfigurationMismatch,
+    ContextOverflow,
+    InvalidArgument,
+    MuxError,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+    SlowConsumer,
+    Unsaveable,
+    WorkerDiedError,
+)
+from muxworker.transport.prompt import SpecialText
+
+__all__ = ["FakeCheckpoint", "FakeStore", "FakeWorkerClient", "fake_worker_client", "ROW_BYTES"]
+
+ROW_BYTES = 256  # KV bytes a FakeCheckpoint counts per position (as a tiny model would hold)
+EOS = 2  # the fake model's end-of-sequence token
+_FIRST_LETTER = 3 + ord("a")  # generated tokens are the byte tokens of a..z
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints and the store
+
+
+@dataclass
+class FakeCheckpoint:
+    """A session's committed state: its first ``position`` token ids (their KV is implied)."""
+
+    position: int
+    token_ids: np.ndarray  # [position] int32
+    identity: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.position * (4 + ROW_BYTES)
+
+
+class FakeStore:
+    """A session store in a dict, with the methods tests and the runtime call on a real one.
+
+    ``max_bytes``: a save over it fails with CheckpointTooLarge (as the worker refuses a file over
+    the store's limit). :meth:`hold_saves` makes each save wait, after the worker's part and before
+    the store commits it (where a real store's ``commit_save`` runs), until :meth:`release`."""
+
+    def __init__(self, identity: str = "fake-identity", *, max_bytes: int = 1 << 30, model: str = "fake") -> None:
+        self.identity = identity
+        self.max_bytes = max_bytes
+        self.model = model
+        self.files: dict[str, FakeCheckpoint] = {}
+        self.saved: list[str] = []  # every committed save, in order
+        self.entered: trio.Event | None = None
+        self._hold: trio.Event | None = None
+
+    def check_worker(self, info: WorkerInfo) -> None:
+        if info.model.name != self.model:
+            raise ConfigurationMismatch(
+                f"the store holds sessions of {self.model!r}, the worker runs {info.model.name!r}"
+            )
+
+    def list(self) -> list[str]:
+        return sorted(self.files)
+
+    def load(self, session_id: str) -> FakeCheckpoint:
+        try:
+            return self.files[session_id]
+        except KeyError:
+            raise CheckpointNotFound(f"no saved session {session_id!r}") from None
+
+    def delete(self, session_id: str) -> bool:
+        return self.files.pop(session_id, None) is not None
+
+    def hold_saves(self) -> None:
+        self.entered, self._hold = trio.Event(), trio.Event()
+
+    async def wait_entered(self) -> None:
+        """Until a held save has reached the store."""
+        assert self.entered is not None, "call hold_saves() first"
+        await self.entered.wait()
+
+    def release(self) -> None:
+        if self._hold is not None:
+            self._hold.set()
+
+    async def _commit(self, session_id: str, checkpoint: FakeCheckpoint) -> None:
+        if self._hold is not None:
+            assert self.entered is not None
+            self.entered.set()
+            await self._hold.wait()
+        self.files[session_id] = checkpoint
+        self.saved.append(session_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fake engine's state
+
+
+@dataclass
+class _Session:
+    tokens: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    generation: _Request | None = None
+    saving: bool = False
+
+
+class _Request:
+    """One request from the client to the fake worker, and (for a generation) its stream's mailbox."""
+
+    def __init__(self, rid: int, kind: str, fields: dict[str, Any], buffer: int) -> None:
+        self.rid = rid
+        self.kind = kind
+        self.fields = fields
+        self.buffer = buffer
+        self.done = trio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.frames: deque[tuple[str, list[int]]] = deque()
+        self.arrived = trio.Event()  # a frame or the end: wakes the stream's reader
+        self.cancel_requested = False
+        # Generations in the engine:
+        self.prompt: list[int] = []
+        self.generated: list[int] = []
+        self.text = ""
+        self.reused = 0
+
+    @property
+    def settled(self) -> bool:
+        return self.done.is_set()
+
+    def push(self, text: str, ids: list[int]) -> None:
+        self.frames.append((text, ids))
+        self.arrived.set()
+
+
+class FakeStream:
+    """What :meth:`FakeWorkerClient.generate` returns; the interface of ``GenerationStream``."""
+
+    def __init__(self, client: FakeWorkerClient, request: _Request, session_id: str) -> None:
+        self._client = client
+        self._request = request
+        self.session_id = session_id
+        self._chunks: list[str] = []
+        self._token_ids: list[int] = []
+
+    @property
+    def request_id(self) -> int:
+        return self._request.rid
+
+    @property
+    def text(self) -> str:
+        return "".join(self._chunks)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self._request.settled
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> str:
+        while True:
+            request = self._request
+            if request.frames:
+                text, ids = request.frames.popleft()
+                self._token_ids.extend(ids)
+                if text:
+                    self._chunks.append(text)
+                    return text
+                continue
+            if request.settled:
+                self._client._outcome(request)
+                raise StopAsyncIteration
+            request.arrived = trio.Event()
+            await request.arrived.wait()
+
+    async def wait(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        return self._client._outcome(self._request)
+
+    def cancel(self) -> None:
+        self._client._cancel(self._request)
+
+    async def aclose(self) -> None:
+        if not self._request.settled:
+            self.cancel()
+        try:
+            await self.wait()
+        except MuxError:
+            pass
+
+    async def __aenter__(self) -> FakeStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def _default_next_token(history: Sequence[int]) -> int:
+    """A letter that depends on the whole history (so a restored history continues identically)."""
+    h = len(history)
+    for t in history[-8:]:
+        h = (h * 131 + t) % 1_000_003
+    return _FIRST_LETTER + h % 26
+
+
+class ByteTokenizer:
+    """Text <-> token ids, one token per UTF-8 byte (ids 3..258); 0-2 are special and decode to
+    nothing. Any object with these three methods can stand in (a real ``Tokenizer.from_dir``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False, *, parse_special: bool = False) -> list[int]:
+        return [3 + b for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return bytes(t - 3 for t in ids if 3 <= t < 259).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + "<assistant>" if add_generation_prompt else text
+
+
+# ----------------------------------------------------------------------------------------------
+# the client
+
+
+class FakeWorkerClient(MultiplexedWorkerClient):
+    """A ``MultiplexedWorkerClient`` answered by an in-process fake engine (module docstring).
+
+    Made by :func:`fake_worker_client` (or :meth:`start` in a nursery of the caller's)."""
+
+    def __init__(
+        self,
+        *,
+        session_store: Any = None,
+        max_sessions: int = 8,
+        max_inflight_requests: int = 8,
+        max_session_tokens: int = 4096,
+        vocab_size: int = 384,
+        model_name: str = "fake",
+        step_s: float = 0.001,
+        tokens_per_step: int = 8,
+        stream_buffer: int = DEFAULT_STREAM_BUFFER,
+        liveness_timeout: float | None = 10.0,
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] = (EOS,),
+        next_token: Callable[[Sequence[int]], int] = _default_next_token,
+    ) -> None:
+        # The base class's __init__ would prepare a process; nothing of it is used here.
+        self.session_store = session_store
+        self.info = WorkerInfo(
+            protocol=(1, 1),
+            model=ModelInfo(
+                name=model_name,
+                architecture="FakeForCausalLM",
+                vocab_size=vocab_size,
+                context_length=max_session_tokens,
+                has_chat_template=True,
+                eos_token_ids=tuple(eos_token_ids),
+            ),
+            backend="fake",
+            device="cpu",
+            dtype="float32",
+            limits={
+                "max_sessions": max_sessions,
+                "max_inflight_requests": max_inflight_requests,
+                "max_session_tokens": max_session_tokens,
+            },
+        )
+        self.step_s = step_s
+        self.tokens_per_step = tokens_per_step
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.next_token = next_token
+        self._stream_buffer = stream_buffer
+        self._liveness_timeout = liveness_timeout
+        self._sessions: dict[str, _Session] = {}
+        self._running: dict[int, _Request] = {}  # generations in the engine, by request id
+        self._pending: dict[int, _Request] = {}  # every request not settled yet
+        self._last_id = 0
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel[_Request | None](math.inf)
+        self._checkpoint_lock = trio.Lock()
+        self._failures: dict[str, deque[BaseException]] = {}
+        self._closing = False
+        self._unusable: BaseException | None = None
+        self._returncode: int | None = None
+        self._hung = False
+        self._wake = trio.Event()  # set on unhang and on death
+        self._pending_changed = trio.Event()
+        self._scope = trio.CancelScope()
+        self._closed = trio.Event()
+        self.requests: list[tuple[str, str | None]] = []  # (kind, session id) of every request, in order
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, nursery: trio.Nursery, **kwargs: Any) -> FakeWorkerClient:
+        client = cls(**kwargs)
+        await nursery.start(client._run_fake)
+        return client
+
+    async def _run_fake(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._engine)
+                    if self._liveness_timeout is not None:
+                        nursery.start_soon(self._watch_liveness, self._liveness_timeout)
+                    task_status.started()
+        finally:
+            if self._unusable is None:
+                self._lose(ClientClosedError("the client's tasks were cancelled, so it was closed"), 0)
+            self._closed.set()
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    @property
+    def stderr_tail(self) -> list[str]:
+        return []
+
+    @property
+    def is_usable(self) -> bool:
+        return not self._closing and self._unusable is None
+
+    async def close(self) -> None:
+        """Let the worker answer what was sent (running generations end "cancelled"), then stop."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        with trio.CancelScope(shield=True):
+            if self._hung:  # a stopped worker never reads its EOF: the client kills it
+                self.kill(-signal.SIGKILL, "the worker did not exit after the control pipe closed")
+            elif self._unusable is None:
+                self._inbox_send.send_nowait(None)  # EOF after everything sent before it
+            await self._closed.wait()
+
+    def kill(self, returncode: int = -signal.SIGKILL, reason: str = "the worker exited") -> None:
+        """The worker dies now: every pending and later call raises WorkerDiedError."""
+        self._lose(WorkerDiedError(reason, returncode, []), returncode)
+
+    def hang(self) -> None:
+        """The worker stops (SIGSTOP): it takes and answers nothing until :meth:`resume` or death."""
+        self._hung = True
+        self._pending_changed.set()
+
+    def resume(self) -> None:
+        self._hung = False
+        self._wake.set()
+
+    def fail_next(self, kind: str, error: BaseException) -> None:
+        """The engine refuses the next request of ``kind`` ("open", "generate", "save", ...) with ``error``."""
+        self._failures.setdefault(kind, deque()).append(error)
+
+    def session_tokens(self, session_id: str) -> list[int]:
+        """The committed history of a live session in the fake engine (for tests)."""
+        return list(self._sessions[session_id].tokens)
+
+    def _lose(self, error: BaseException, returncode: int) -> None:
+        if self._unusable is not None:
+            return
+        self._unusable = error
+        self._returncode = returncode
+        for request in list(self._pending.values()):
+            self._settle(request)
+        self._running.clear()
+        self._sessions.clear()
+        self._wake.set()
+        self._scope.cancel()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise _fresh(self._unusable)
+        if self._closing:
+            raise ClientClosedError("the client is closed")
+
+    def _submit(self, kind: str, fields: dict[str, Any], buffer: int = 1) -> _Request:
+        self._check_usable()
+        self._last_id += 1
+        request = _Request(self._last_id, kind, fields, buffer)
+        self._pending[request.rid] = request
+        self._pending_changed.set()
+        self.requests.append((kind, fields.get("session_id")))
+        self._inbox_send.send_nowait(request)
+        return request
+
+    def _settle(self, request: _Request, *, value: Any = None, error: BaseException | None = None) -> None:
+        if request.settled:
+            return
+        request.value = value
+        request.error = error
+        self._pending.pop(request.rid, None)
+        self._running.pop(request.rid, None)
+        request.done.set()
+        request.arrived.set()
+
+    def _outcome(self, request: _Request) -> Any:
+        if request.error is not None:
+            raise _fresh(request.error)
+        if request.value is None:
+            assert self._unusable is not None
+            raise _fresh(self._unusable)
+        return request.value
+
+    async def _call(self, kind: str, fields: dict[str, Any], *_: Any, **__: Any) -> Any:
+        """Send one request and wait for its reply; a caller cancelled before it was sent sends
+        nothing, one cancelled after leaves it to run in the worker."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        request = self._submit(kind, fields)
+        await request.done.wait()
+        return self._outcome(request)
+
+    async def _transfer(self, kind: str, fields: dict[str, Any]) -> Any:
+        """A checkpoint transfer: once sent, shielded until it settles."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        request = self._submit(kind, fields)
+        with trio.CancelScope(shield=True):
+            await request.done.wait()
+        return self._outcome(request)
+
+    def _cancel(self, request: _Request) -> None:
+        if request.settled:
+            return
+        request.cancel_requested = True  # the engine ends it "cancelled" at its next look
+
+    # -- the public API ---------------------------------------------------------------------------
+
+    async def open_session(self, session_id: str) -> None:
+        _check_session_id(session_id)
+        await self._call("open", {"session_id": session_id})
+
+    async def close_session(self, session_id: str) -> None:
+        _check_session_id(session_id)
+        await self._call("close", {"session_id": session_id})
+
+    async def reset_session(self, session_id: str) -> None:
+        _check_session_id(session_id)
+        await self._call("reset", {"session_id": session_id})
+
+    def generate(self, prompt: Any, params: Any) -> FakeStream:  # type: ignore[override]
+        session_id, fields = params_to_wire(params)
+        fields.pop("cache_salt", None)
+        _check_session_id(session_id)
+        room = self.info.limits["max_session_tokens"]
+        given = _given_token_count(prompt)
+        if given >= room:
+            raise ContextOverflow(f"the prompt has at least {given} tokens; a session holds at most {room}")
+        payloads: list[Any] = []
+        segments = _prompt_segments(prompt, payloads)
+        ids: list[int] = []
+        for segment in segments:
+            if "text" in segment:
+                ids.extend(self.tokenizer.encode(segment["text"], parse_special=bool(segment.get("special"))))
+            else:
+                ids.extend(int(t) for t in payloads[segment["tokens"]["payload"]])
+        request = self._submit(
+            "generate", {"session_id": session_id, "prompt": ids, "params": fields}, self._stream_buffer
+        )
+        return FakeStream(self, request, session_id)
+
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool | None = None
+    ) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidArgument(f"text must be a str, got {type(text).__name__}")
+        add_special_tokens = _check_bool("add_special_tokens", add_special_tokens)
+        if parse_special is None:
+            parse_special = isinstance(text, SpecialText)
+        parse_special = _check_bool("parse_special", parse_special)
+        fields = {"text": str(text), "add_special_tokens": add_special_tokens, "parse_special": parse_special}
+        return await self._call("tokenize", fields)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._call("detokenize", {"ids": _token_array(token_ids).tolist()})
+
+    async def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> ChatPrompt:
+        if (
+            isinstance(messages, (str, bytes))
+            or not isinstance(messages, Sequence)
+            or not all(isinstance(m, Mapping) for m in messages)
+        ):
+            raise InvalidArgument(f"messages must be a list of {{'role', 'content'}} maps, got {messages!r:.200}")
+        add_generation_prompt = _check_bool("add_generation_prompt", add_generation_prompt)
+        fields = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt}
+        return await self._call("chat_template", fields)
+
+    async def query_info(self) -> dict[str, Any]:
+        return await self._call("info", {})
+
+    async def export_checkpoint_to_cpu(
+        self, session_id: str, position: int | None = None, identity: str | None = None
+    ) -> FakeCheckpoint:  # type: ignore[override]
+        _check_session_id(session_id)
+        async with self._checkpoint_lock:
+            checkpoint = await self._transfer("export", {"session_id": session_id, "position": position})
+        checkpoint.identity = identity
+        return checkpoint
+
+    async def restore_checkpoint_from_cpu(
+        self,
+        checkpoint: Any,
+        session_id: str,
+        position: int | None = None,
+        expected_identity: str | None = None,
+    ) -> None:
+        if not isinstance(checkpoint, FakeCheckpoint):
+            raise InvalidArgument(f"expected a FakeCheckpoint, got {type(checkpoint).__name__}")
+        _check_session_id(session_id)
+        async with self._checkpoint_lock:
+            await self._transfer("restore", {"session_id": session_id, "checkpoint": checkpoint, "position": position})
+
+    async def save_session(self, session_id: str) -> SaveResult:
+        _check_session_id(session_id)
+        store = self._store()
+        async with self._checkpoint_lock:
+            checkpoint = await self._transfer("save", {"session_id": session_id, "max_bytes": store.max_bytes})
+            with trio.CancelScope(shield=True):
+                await store._commit(session_id, checkpoint)
+        return SaveResult(checkpoint.position, 0, checkpoint.nbytes, 1)
+
+    async def resume_session(self, session_id: str) -> str:
+        _check_session_id(session_id)
+        store = self._store()
+        async with self._checkpoint_lock:
+            checkpoint = store.load(session_id)
+            await trio.lowlevel.checkpoint()  # a resume reads its file: cancellable until it is sent
+            await self._transfer("restore", {"session_id": session_id, "checkpoint": checkpoint, "position": None})
+        return session_id
+
+    def _store(self) -> FakeStore:
+        if self.session_store is None:
+            raise InvalidArgument("this client has no session_store; pass one to spawn_multiplexed_worker")
+        self.session_store.check_worker(self.info)
+        return self.session_store
+
+    # -- the fake engine ----------------------------------------------------------------------------
+
+    async def _engine(self) -> None:
+        """Take requests in arrival order between steps; one token per running generation per step."""
+        while True:
+            while True:
+                if self._running:
+                    try:
+                        request = self._inbox_recv.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                else:
+                    request = await self._inbox_recv.receive()
+                await self._while_hung()
+                if request is None:
+                    return self._exit_on_eof()
+                if not request.settled:
+                    self._handle(request)
+            await trio.sleep(self.step_s)
+            await self._while_hung()
+            self._step()
+
+    async def _while_hung(self) -> None:
+        while self._hung:
+            self._wake = trio.Event()
+            await self._wake.wait()
+
+    def _exit_on_eof(self) -> None:
+        for request in list(self._running.values()):
+            self._finish(request, "cancelled")
+        self._lose(ClientClosedError("the client was closed"), 0)
+
+    async def _watch_liveness(self, timeout: float) -> None:
+        """The client's liveness rule: silence for ``timeout`` s with requests pending is a death."""
+        while True:
+            if not self._pending or not self._hung:
+                self._pending_changed = trio.Event()
+                await self._pending_changed.wait()
+                continue
+            with trio.move_on_after(timeout):
+                while self._hung:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                continue
+            if self._pending and self._hung:
+                self.kill(-signal.SIGKILL, f"no heartbeat for {timeout:g} s")
+                return
+
+    def _session(self, session_id: str, *, idle: bool = True) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        if idle and session.saving:
+            raise SessionBusy(f"session {session_id!r} is being saved")
+        return session
+
+    def _take_slot(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id!r} is already open")
+        if len(self._sessions) >= self.info.limits["max_sessions"]:
+            raise CapacityExhausted(f"all {self.info.limits['max_sessions']} session slots are in use (max_sessions)")
+
+    def _handle(self, request: _Request) -> None:
+        kind, fields = request.kind, request.fields
+        sid = fields.get("session_id")
+        failures = self._failures.get(kind)
+        try:
+            if failures:
+                raise failures.popleft()
+            if kind == "open":
+                self._take_slot(sid)
+                self._sessions[sid] = _Session()
+                value: Any = {}
+            elif kind in ("close", "reset"):
+                session = self._session(sid)
+                if session.generation is not None:
+                    self._finish(session.generation, "cancelled")
+                if kind == "close":
+                    del self._sessions[sid]
+                else:
+                    session.tokens, session.kv_len = [], 0
+                value = {}
+            elif kind == "generate":
+                return self._submit_generation(request)
+            elif kind in ("save", "export"):
+                session = self._session(sid)
+                if session.generation is not None:
+                    raise Unsaveable(f"session {sid!r} is busy generating (request {session.generation.rid})")
+                if session.kv_len == 0:
+                    raise Unsaveable(f"session {sid!r} cannot be saved: empty")
+                position = fields.get("position") or session.kv_len
+                if not 1 <= position <= session.kv_len:
+                    raise InvalidArgument(f"export position must be in [1, {session.kv_len}], got {position!r}")
+                value = FakeCheckpoint(position, np.asarray(session.tokens[:position], dtype=np.int32))
+                if kind == "save" and value.nbytes > fields["max_bytes"]:
+                    raise CheckpointTooLarge(
+                        f"the session needs {value.nbytes} bytes; the store takes {fields['max_bytes']}"
+                    )
+            elif kind == "restore":
+                checkpoint = fields["checkpoint"]
+                self._take_slot(sid)
+                position = fields["position"] if fields["position"] is not None else checkpoint.position
+                tokens = [int(t) for t in checkpoint.token_ids[:position]]
+                self._sessions[sid] = _Session(tokens=tokens, kv_len=len(tokens))
+                value = {}
+            elif kind == "tokenize":
+                value = self.tokenizer.encode(
+                    fields["text"],
+                    add_special_tokens=fields["add_special_tokens"],
+                    parse_special=fields["parse_special"],
+                )
+            elif kind == "detokenize":
+                vocab = self.info.model.vocab_size
+                if any(not 0 <= t < vocab for t in fields["ids"]):
+                    raise InvalidArgument(f"token ids must lie in [0, {vocab})")
+                value = self.tokenizer.decode(fields["ids"])
+            elif kind == "chat_template":
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        fields["messages"], add_generation_prompt=fields["add_generation_prompt"]
+                    )
+                except ValueError as exc:  # the tokenizer's ChatTemplateError
+                    raise InvalidArgument(str(exc)) from None
+                value = ChatPrompt(text, self.tokenizer.encode(text, parse_special=True))
+            elif kind == "info":
+                value = {
+                    "sessions": sorted(self._sessions),
+                    "inflight_requests": len(self._running),
+                    "limits": dict(self.info.limits),
+                }
+            else:  # pragma: no cover - a request kind this fake does not know
+                raise InvalidArgument(f"unknown request kind {kind!r}")
+        except MuxError as exc:
+            self._settle(request, error=exc)
+            return
+        self._settle(request, value=value)
+
+    def _submit_generation(self, request: _Request) -> None:
+        sid, prompt, params = request.fields["session_id"], request.fields["prompt"], request.fields["params"]
+        session = self._session(sid)
+        if session.generation is not None:
+            raise SessionBusy(f"session {sid!r} is already generating (request {session.generation.rid})")
+        limit = self.info.limits["max_inflight_requests"]
+        if len(self._running) >= limit:
+            raise CapacityExhausted(f"{len(self._running)} requests are in flight (max_inflight_requests={limit})")
+        if not prompt:
+            raise InvalidArgument("the prompt is empty")
+        vocab = self.info.model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidArgument(f"a token id is outside the vocabulary [0, {vocab})")
+        room = self.info.limits["max_session_tokens"]
+        if len(prompt) >= room:
+            raise ContextOverflow(f"the prompt has {len(prompt)} tokens; a session holds at most {room}")
+        max_new = params.get("max_new_tokens", 256)
+        max_new = room - len(prompt) if max_new == -1 else max_new
+        if len(prompt) + max_new > room:
+            raise ContextOverflow(
+                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new}) exceeds max_session_tokens ({room})"
+            )
+        common = 0
+        limit_common = min(session.kv_len, len(prompt) - 1)
+        while common < limit_common and session.tokens[common] == prompt[common]:
+            common += 1
+        request.prompt = list(prompt)
+        request.reused = common
+        request.fields["max_new"] = max_new
+        stop = params.get("stop_token_ids")
+        request.fields["stop_ids"] = frozenset(stop if stop is not None else self.info.model.eos_token_ids)
+        request.fields["stop"] = list(params.get("stop") or ())
+        # Prefilled now: the session holds the prompt (its KV), and what it generates next.
+        session.tokens, session.kv_len = list(prompt), len(prompt)
+        session.generation = request
+        self._running[request.rid] = request
+
+    def _step(self) -> None:
+        """One forward pass: up to ``tokens_per_step`` tokens for every running generation, sent
+        as one token frame each (as accepted speculative tokens are)."""
+        for request in list(self._running.values()):
+            if request.settled:
+                continue
+            if request.cancel_requested:
+                self._finish(request, "cancelled")
+                continue
+            if len(request.frames) >= request.buffer:
+                self._slow_consumer(request)
+                continue
+            session = self._sessions[request.fields["session_id"]]
+            ids: list[int] = []
+            start = len(request.text)
+            reason = None
+            for _ in range(self.tokens_per_step):
+                token = self.next_token(session.tokens)
+                session.tokens.append(token)
+                session.kv_len = len(session.tokens) - 1
+                request.generated.append(token)
+                ids.append(token)
+                if token in request.fields["stop_ids"]:
+                    reason = "stop"
+                    break
+                request.text += self.tokenizer.decode([token])
+                cut = min((i for i in (request.text.find(s) for s in request.fields["stop"]) if i >= 0), default=-1)
+                if cut >= 0:
+                    request.text = request.text[:cut]
+                    reason = "stop"
+                    break
+                if len(request.generated) >= request.fields["max_new"]:
+                    reason = "length"
+                    break
+            request.push(request.text[start:], ids)
+            if reason is not None:
+                self._finish(request, reason)
+
+    def _slow_consumer(self, request: _Request) -> None:
+        request.frames.clear()
+        self._end_generation(request)
+        self._settle(
+            request,
+            error=SlowConsumer(
+                f"request {request.rid}: its consumer fell {request.buffer} token frames behind, "
+                "so the generation was cancelled"
+            ),
+        )
+
+    def _end_generation(self, request: _Request) -> None:
+        session = self._sessions.get(request.fields["session_id"])
+        if session is not None and session.generation is request:
+            session.generation = None
+        self._running.pop(request.rid, None)
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        self._end_generation(request)
+        prompt, generated = request.prompt, request.generated
+        result = GenerationResult(
+            finish_reason=reason,
+            prompt_tokens=len(prompt),
+            reused_prompt_tokens=request.reused,
+            prefilled_prompt_tokens=len(prompt) - request.reused,
+            completion_tokens=len(generated),
+            generated_token_ids=list(generated),
+            prefill_time_s=0.0,
+            decode_time_s=0.0,
+            committed_tokens=len(generated),
+        )
+        self._settle(request, value=result)
+
+
+@asynccontextmanager
+async def fake_worker_client(**kwargs: Any) -> AsyncIterator[FakeWorkerClient]:
+    """``async with fake_worker_client(...) as client``: a started :class:`FakeWorkerClient`, closed
+    on exit (keywords as its constructor's)."""
+    async with trio.open_nursery() as nursery:
+        client = await FakeWorkerClient.start(nursery, **kwargs)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    if isinstance(exc, WorkerDiedError):
+        return exc.copy()
+    if isinstance(exc, MuxError):
+        new = type(exc)(*exc.args)
+        new.__dict__.update(vars(exc))
+        return new
+    return exc
