@@ -465,7 +465,7 @@ class MultiplexedWorkerClient:
         """
         _check_session_id(session_id)
         store = require_store(self.session_store, self.info)
-        return await self._checkpoints.save(self._conn, store, session_id, self.info)
+        return await self._checkpoints.save(self._conn, store, session_id)
 
     async def resume_session(self, session_id: str) -> str:
         """Restore the session saved in the store into a new live session of that id.
@@ -477,7 +477,7 @@ class MultiplexedWorkerClient:
         """
         _check_session_id(session_id)
         store = require_store(self.session_store, self.info)
-        await self._checkpoints.resume(self._conn, store, session_id, self.info)
+        await self._checkpoints.resume(self._conn, store, session_id)
         return session_id
 
 

@@ -14,17 +14,16 @@ result behind); a worker that stops answering ends it through the liveness rule.
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from muxworker.transport.checkpoint import (
-    CheckpointIncompatible,
-    CPUCheckpoint,
-    checkpoint_from_wire,
-    checkpoint_to_wire,
-)
+from muxworker.transport.checkpoint import DEFAULT_MAX_BYTES, CheckpointIncompatible, CPUCheckpoint
+from muxworker.transport.checkpoint.container import memory_file
+from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
+from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
 from muxworker.transport.errors import InvalidArgument
 
 from .connection import Connection
@@ -56,6 +55,9 @@ class SaveResult:
 class CheckpointQueue:
     """Export, restore, save and resume over one connection, one at a time, first come first served.
 
+    Every one moves segment files over the worker's file channel: a save or resume the store's
+    (the worker writes the rows straight from its cache slot, or reads them straight into a free
+    one), an export or restore of a :class:`CPUCheckpoint` one segment in a memory file.
     Arguments are checked by the client before they get here."""
 
     def __init__(self) -> None:
@@ -64,27 +66,57 @@ class CheckpointQueue:
     async def export(
         self, connection: Connection, session_id: str, position: int | None, identity: str | None
     ) -> CPUCheckpoint:
+        """The session (up to ``position``) as a host checkpoint stamped with ``identity``."""
         async with self._lock:
-            return await _export(connection, session_id, position, identity)
+            _require_files(connection)
+            fd = memory_file("export")
+            try:
+                fields: dict[str, Any] = {
+                    "session_id": session_id,
+                    "fds": 1,
+                    "tag": None,
+                    "base": None,
+                    "identity": identity or "",
+                    "max_bytes": DEFAULT_MAX_BYTES,
+                }
+                if position is not None:
+                    fields["position"] = position
+                written = await connection.transfer("save_file", fields, expect="ok", fds=[fd])
+                with trio.CancelScope(shield=True):
+                    checkpoint = await trio.to_thread.run_sync(_read_export, fd, session_id, written)
+            finally:
+                os.close(fd)
+            return checkpoint
 
     async def restore(
         self, connection: Connection, checkpoint: CPUCheckpoint, session_id: str, position: int | None
     ) -> None:
+        """Publish ``checkpoint`` (cut back to ``position``) in the worker as ``session_id``."""
         async with self._lock:
-            await _restore(connection, checkpoint, session_id, position)
+            _require_files(connection)
+            if position is not None:
+                checkpoint = checkpoint.truncated(position)
+            identity = checkpoint.identity or ""
+            fd = memory_file("restore")
+            try:
+                written = await trio.to_thread.run_sync(write_checkpoint_segment, fd, session_id, identity, checkpoint)
+                ref = SegmentRef("checkpoint", 0, checkpoint.position, written["file_length"], written["header_crc"])
+                fields = {
+                    "session_id": session_id,
+                    "fds": 1,
+                    "identity": identity,
+                    "max_bytes": DEFAULT_MAX_BYTES,
+                    "segments": [ref.to_wire()],
+                }
+                await connection.transfer("restore_file", fields, expect="ok", fds=[fd])
+            finally:
+                os.close(fd)
 
-    async def save(
-        self, connection: Connection, store: StoreBinding, session_id: str, info: WorkerInfo | None
-    ) -> SaveResult:
-        """Save through the worker's file channel when it has one (the worker writes the rows
-        straight from its cache into a segment the store created; only what is new since the last
-        save), else export through the pipe and write the file here."""
+    async def save(self, connection: Connection, store: StoreBinding, session_id: str) -> SaveResult:
+        """The worker writes the session's rows straight from its cache into a segment the store
+        created: only what is new since the last save."""
         async with self._lock:
-            if not _takes_files(connection, info):
-                checkpoint = await _export(connection, session_id, None, store.identity)
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(store.save, session_id, checkpoint)
-                return SaveResult(checkpoint.position, 0, checkpoint.nbytes, 1)
+            _require_files(connection)
             plan = await trio.to_thread.run_sync(store.begin_save, session_id)
             try:
                 fields = {
@@ -106,17 +138,10 @@ class CheckpointQueue:
                 )
             return SaveResult(written["position"], written["start"], written["payload_bytes"], len(manifest.segments))
 
-    async def resume(
-        self, connection: Connection, store: StoreBinding, session_id: str, info: WorkerInfo | None
-    ) -> None:
-        """Restore through the worker's file channel when it has one (the store vets and opens the
-        files; the worker reads them straight into a free slot), else load here and send them."""
+    async def resume(self, connection: Connection, store: StoreBinding, session_id: str) -> None:
+        """The store vets and opens the files; the worker reads them straight into a free slot."""
         async with self._lock:
-            if not _takes_files(connection, info):
-                # A cancel during the read takes effect when it returns, before anything is sent.
-                checkpoint = await trio.to_thread.run_sync(store.load, session_id)
-                await _restore(connection, checkpoint, session_id, None)
-                return
+            _require_files(connection)
             plan = await trio.to_thread.run_sync(store.begin_resume, session_id)
             try:
                 fields: dict[str, Any] = {
@@ -124,27 +149,25 @@ class CheckpointQueue:
                     "fds": len(plan.fds),
                     "identity": store.identity,
                     "max_bytes": store.max_bytes,
+                    "tag": plan.manifest.tag,
+                    "segments": [ref.to_wire() for ref in plan.manifest.segments],
                 }
-                if plan.manifest is None:
-                    fields["legacy"] = True
-                else:
-                    fields["tag"] = plan.manifest.tag
-                    fields["segments"] = [ref.to_wire() for ref in plan.manifest.segments]
                 await connection.transfer("restore_file", fields, expect="ok", fds=plan.fds)
             finally:
                 plan.close()
 
 
-def _takes_files(connection: Connection, info: WorkerInfo | None) -> bool:
-    """Whether checkpoints go through the worker's file channel: it has one, and runs no draft
-    model (whose state only the in-memory checkpoint carries)."""
-    return connection.files is not None and info is not None and info.files and not runs_draft_model(info)
+def _require_files(connection: Connection) -> None:
+    if connection.files is None:
+        raise InvalidArgument(
+            "this worker has no file channel (checkpoints travel as files): start it with spawn_multiplexed_worker"
+        )
 
 
-def runs_draft_model(info: WorkerInfo) -> bool:
-    """Whether the worker runs a draft model (``n_draft`` > 0 without ``--speculative ngram``,
-    whose proposals come from the history and hold no state of their own)."""
-    return bool(info.limits.get("n_draft")) and info.limits.get("speculative") != "ngram"
+def _read_export(fd: int, session_id: str, written: dict[str, Any]) -> CPUCheckpoint:
+    name = f"the export of session {session_id!r}"
+    ref = SegmentRef("export", 0, written["position"], written["file_length"], written["header_crc"])
+    return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])
 
 
 def require_store(store: StoreBinding | None, info: WorkerInfo | None) -> StoreBinding:
@@ -154,29 +177,6 @@ def require_store(store: StoreBinding | None, info: WorkerInfo | None) -> StoreB
     if info is not None:  # what the worker says it runs must be what the store declares
         store.check_worker(info)
     return store
-
-
-async def _export(connection: Connection, session_id: str, position: int | None, identity: str | None) -> CPUCheckpoint:
-    frame = await connection.transfer("export", {"session_id": session_id, "position": position}, expect="checkpoint")
-    checkpoint = checkpoint_from_wire(frame.control["checkpoint"], frame.payloads)
-    if identity is not None:
-        checkpoint.identity = identity
-        checkpoint.validate()
-    return checkpoint
-
-
-async def _restore(connection: Connection, checkpoint: CPUCheckpoint, session_id: str, position: int | None) -> None:
-    if not isinstance(checkpoint, CPUCheckpoint):
-        raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
-    if position is None:
-        position = checkpoint.position
-    manifest, payloads = checkpoint_to_wire(checkpoint)
-    await connection.transfer(
-        "restore",
-        {"session_id": session_id, "position": position, "checkpoint": manifest},
-        list(payloads),
-        expect="ok",
-    )
 
 
 def check_position(position: Any, *, optional: bool) -> int | None:

@@ -20,13 +20,7 @@ import time
 
 import numpy as np
 
-from muxworker.transport.checkpoint import (
-    CPUCheckpoint,
-    LayerState,
-    checkpoint_to_wire,
-    load_checkpoint,
-    save_checkpoint,
-)
+from muxworker.transport.checkpoint import CPUCheckpoint, LayerState, load_checkpoint, save_checkpoint
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
@@ -83,7 +77,7 @@ def timed(fn, *args) -> float:
 
 def bench(tokens: int, repeat: int, directory: str, dtype: str = "float32") -> dict:
     ckpt = smollm2_checkpoint(tokens, dtype=dtype)
-    _, payloads = checkpoint_to_wire(ckpt)
+    payloads = [ckpt.token_ids] + [a for layer in ckpt.layers for a in (layer.keys, layer.values)]
     views = [memoryview(p).cast("B") for p in payloads]
     path = os.path.join(directory, f"ckpt-{tokens}.mxckpt")
     raw_path = os.path.join(directory, f"raw-{tokens}.bin")

@@ -8,9 +8,10 @@ little-endian id of the request that uses them, plus the descriptors as ``SCM_RI
 data. The client sends it just before it writes that request's frame, so the worker finds it
 already queued when it handles the frame; it never waits for one.
 
-The worker learns the channel from ``--files-fd N`` (``FILES_FLAG``); a worker without it (an
-older build, a custom command) says so by leaving ``files`` out of its hello, and the client then
-moves checkpoints through the pipes instead.
+The worker learns the channel from ``--files-fd N`` (``FILES_FLAG``); a worker without it (a
+custom command) says so by leaving ``files`` out of its hello, and the client then refuses
+checkpoint calls: checkpoints travel only as files (a host checkpoint as one segment in a memory
+file), never in frames.
 """
 
 from __future__ import annotations

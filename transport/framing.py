@@ -92,7 +92,8 @@ class FrameLimits:
     """Bounds on one frame, checked from the header before anything is allocated.
 
     ``max_payload_bytes`` bounds the payload bytes of an ordinary frame. ``kind_payload_bytes``
-    raises (or lowers) that bound for particular message kinds, e.g. checkpoints; the header is
+    raises (or lowers) that bound for particular message kinds (none by default: checkpoints
+    travel as files, transport/fdpass.py, never as frame payloads); the header is
     checked against the largest of these bounds, and the kind's own bound is checked once the
     control map (at most ``max_control_bytes``) is decoded, still before any payload buffer exists.
     """
@@ -101,7 +102,7 @@ class FrameLimits:
     max_payloads: int = 1024
     max_payload_bytes: int = 64 * MiB
     max_depth: int = 32
-    kind_payload_bytes: Mapping[str, int] = field(default_factory=lambda: {"restore": 16 * GiB, "checkpoint": 16 * GiB})
+    kind_payload_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # max_payloads sizes each reader's staging buffer (8 bytes per length), hence its bound.

@@ -134,7 +134,7 @@ class WorkerInfo:
     readiness: str = "ready"  # at the hello; a 1.0 worker does not say, and sends its hello when ready
     weights: str = "float"  # "quantized", "int4", "int8" or "float"; a worker before 0.2 does not say
     # Whether the worker reads and writes checkpoint files passed over its file channel
-    # (transport/fdpass.py); without it checkpoints move through the pipes.
+    # (transport/fdpass.py); without it the client refuses checkpoint calls.
     files: bool = False
 
     @classmethod

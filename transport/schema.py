@@ -415,53 +415,43 @@ MESSAGES: dict[str, MessageSpec] = {
         {"messages": ListOf(CHAT_MESSAGE)},
         {"add_generation_prompt": Bool()},
     ),
-    "export": _client(
-        "Export a session's state (up to `position` tokens; nil = all). Reply: checkpoint.",
-        {"session_id": SESSION_ID},
-        {"position": Nullable(POSITION)},
-    ),
-    "restore": _client(
-        "Restore a checkpoint into an unused session id, keeping `position` tokens. Reply: ok.",
-        {"session_id": SESSION_ID, "position": POSITION, "checkpoint": AnyMap()},
-    ),
     "save_file": _client(
-        "Write a session at its committed boundary as one checkpoint segment into the file passed with "
+        "Write a session at its committed boundary (or at `position`, with no `base`) as one checkpoint "
+        "segment, its draft model's state included, into the file passed with "
         "this request (transport/fdpass.py; `fds`: 1), then fsync it: only the positions after "
         "`base.position` when the session's slot still holds what the store's save `base.tag` holds up "
         "to there, else all; with `base.block_tokens`, from `base.block_start` instead when the new "
         "rows would cross a block boundary (a store saving content-addressed blocks). "
-        "The session remembers `tag` as its new base. The worker writes on its I/O thread while other "
+        "The session remembers `tag` as its new base (nil: an export into a memory file, no base). "
+        "The worker writes on its I/O thread while other "
         "sessions go on; until the reply, any request on this session is `session_busy`. Reply: ok "
         "with `value` {start, position, file_length, header_crc, payload_bytes}.",
         {
             "session_id": SESSION_ID,
             "fds": Int(1, 1),
-            "tag": TAG,
+            "tag": Nullable(TAG),
             "base": Nullable(
                 Record({"tag": TAG, "position": POSITION}, {"block_start": POSITION, "block_tokens": Int(1, 1 << 20)})
             ),
-            "identity": Str(nonempty=True, max_bytes=256),
+            "identity": Str(max_bytes=256),
             "max_bytes": Int(1, _I64_MAX),
         },
+        {"position": POSITION},
     ),
     "restore_file": _client(
         "Restore a saved session into an unused session id from the files passed with this request "
         "(`fds` of them): the segments `segments` of a session manifest (docs/CHECKPOINT_FORMAT.md), "
-        "verified before the session is published, which then remembers `tag` as its base; or, with "
-        "`legacy`, one version 1 or 2 checkpoint file. The files are read on the worker's I/O thread; "
-        "until the reply the id is `session_busy`. Reply: ok with `value` {position}.",
+        "verified before the session is published, which then remembers `tag` as its base (none "
+        "without `tag`: a host checkpoint in a memory file). The files are read on the worker's I/O "
+        "thread; until the reply the id is `session_busy`. Reply: ok with `value` {position}.",
         {
             "session_id": SESSION_ID,
             "fds": Int(1, MAX_PASSED_FDS),
-            "identity": Str(nonempty=True, max_bytes=256),
+            "identity": Str(max_bytes=256),
             "max_bytes": Int(1, _I64_MAX),
+            "segments": ListOf(SEGMENT_REF, min_len=1, max_len=MAX_PASSED_FDS),
         },
-        {
-            "tag": TAG,
-            "saved_id": SESSION_ID,
-            "segments": ListOf(SEGMENT_REF, max_len=MAX_PASSED_FDS),
-            "legacy": Bool(),
-        },
+        {"tag": TAG, "saved_id": SESSION_ID},
     ),
     "info": _client("Ask for model and engine information. Reply: ok with `value`.", {}),
     # worker -> client
@@ -501,10 +491,6 @@ MESSAGES: dict[str, MessageSpec] = {
     ),
     "tokens": _worker("Token ids for request `id`.", {"id": REQUEST_ID, "tokens": TOKENS}, {"text": Str()}),
     "text": _worker("Text for request `id`.", {"id": REQUEST_ID, "text": Str()}),
-    "checkpoint": _worker(
-        "A session checkpoint for request `id`: a manifest whose arrays are payload refs.",
-        {"id": REQUEST_ID, "checkpoint": AnyMap()},
-    ),
 }
 
 

@@ -183,7 +183,7 @@ _PROCESS_FLAGS: _Flags = [
             metavar="F",
             dest="files_fd",
             help="inherited socket the client passes checkpoint files on (SCM_RIGHTS); without it "
-            "checkpoints travel through the pipes",
+            "the worker refuses checkpoint requests",
         ),
     ),
 ]

@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from muxworker.transport.checkpoint import checkpoint_from_wire, checkpoint_to_wire
 from muxworker.transport.errors import (
     ContextOverflow,
     InternalError,
@@ -73,7 +72,6 @@ from muxworker.worker.models.args import ConfigError
 from muxworker.worker.options import UsageError, build_parser, parse_args
 
 if TYPE_CHECKING:
-    from muxworker.transport.checkpoint import CPUCheckpoint
     from muxworker.worker.engine import Engine, EngineOutput
 
 __all__ = [
@@ -246,8 +244,6 @@ class WorkerServer:
             "tokenize": self._tokenize,
             "detokenize": self._detokenize,
             "chat_template": self._chat_template,
-            "export": self._export,
-            "restore": self._restore,
             "save_file": self._save_file,
             "restore_file": self._restore_file,
             "info": self._info,
@@ -544,19 +540,9 @@ class WorkerServer:
             raise InvalidArgument(str(exc)) from None
         self._write(_tokens_frame(rid, tokenizer.encode(text, parse_special=True), text=text))
 
-    def _export(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        checkpoint = self._engine.export_checkpoint(control["session_id"], control.get("position"))
-        manifest, payloads = checkpoint_to_wire(checkpoint)
-        self._write(Frame({"kind": "checkpoint", "id": rid, "checkpoint": manifest}, list(payloads)))
-
-    def _restore(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        checkpoint = checkpoint_from_wire(control["checkpoint"], frame.payloads)
-        self._engine.restore_checkpoint(control["session_id"], checkpoint, control["position"])
-        self._write(self._ok(rid))
-
     def _passed_files(self, rid: int, count: int) -> list[int]:
         if self._files is None:
-            raise InvalidArgument("this worker has no file channel: send checkpoints with export/restore")
+            raise InvalidArgument("this worker has no file channel (--files-fd): checkpoints travel only as files")
         return self._files.receive(rid, count)
 
     def _save_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
@@ -575,6 +561,7 @@ class WorkerServer:
                 else SaveBase(base["tag"], base["position"], base.get("block_start"), base.get("block_tokens", 0)),
                 identity=control["identity"],
                 max_bytes=control["max_bytes"],
+                position=control.get("position"),
             )
         except BaseException:
             os.close(fd)
@@ -583,36 +570,21 @@ class WorkerServer:
         self._start_io(rid, "save_file", [fd], write, lambda f: engine.finish_save(job, f.exception()))
 
     def _restore_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        from muxworker.transport.checkpoint.file import read_checkpoint_file
         from muxworker.transport.checkpoint.segments import SegmentRef
 
         engine = self._engine
         fds = self._passed_files(rid, control["fds"])
         sid = control["session_id"]
         try:
-            if control.get("legacy"):
-                if len(fds) != 1:
-                    raise InvalidArgument("a legacy checkpoint file is one file")
-                load = functools.partial(
-                    read_checkpoint_file,
-                    f"the saved file of session {sid!r}",
-                    fd=fds[0],
-                    expected_identity=control["identity"],
-                    max_bytes=control["max_bytes"],
-                )
-                self._start_io(rid, "restore_file", fds, load, lambda f: self._restore_legacy(sid, f.result()[1]))
-                return
             refs = [
                 SegmentRef(r["name"], r["start"], r["end"], r["file_length"], r["header_crc"], r.get("shared", False))
-                for r in control.get("segments", [])
+                for r in control["segments"]
             ]
-            if "tag" not in control:
-                raise InvalidArgument("restore_file of segments needs the manifest's tag")
             job = engine.begin_restore(
                 sid,
                 fds,
                 refs,
-                tag=control["tag"],
+                tag=control.get("tag"),
                 identity=control["identity"],
                 max_bytes=control["max_bytes"],
                 saved_id=control.get("saved_id"),
@@ -625,12 +597,6 @@ class WorkerServer:
         self._start_io(
             rid, "restore_file", fds, read, lambda f: {"position": engine.finish_restore(job, f.exception())}
         )
-
-    def _restore_legacy(self, sid: str, checkpoint: CPUCheckpoint | None) -> dict[str, Any]:
-        """A legacy (single-file) checkpoint read on the I/O thread: restored here, on the engine thread."""
-        assert checkpoint is not None
-        self._engine.restore_checkpoint(sid, checkpoint)
-        return {"position": checkpoint.position}
 
     def _info(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
         value = {k: v for k, v in self._hello.items() if k != "kind"}
@@ -824,13 +790,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _file_channel(fd: int | None) -> FileReceiver | None:
-    """The file channel the client passed, if it is one (else checkpoints use the pipes)."""
+    """The file channel the client passed, if it is one (without it the worker refuses checkpoint requests)."""
     if fd is None:
         return None
     try:
         return FileReceiver(fd)
     except OSError as exc:
-        _log(f"--files-fd {fd} is not a usable socket ({exc}); checkpoint files go through the pipes")
+        _log(f"--files-fd {fd} is not a usable socket ({exc}); the worker refuses checkpoint requests")
         return None
 
 

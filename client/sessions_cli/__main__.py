@@ -8,9 +8,12 @@
     clean                    remove what killed writers left (temp files, unpublished segments) and
                              shared blocks no session names, only when no writer holds the store;
                              a manifest it cannot read keeps its session's segments and every block
+    migrate                  convert checkpoint files of versions 1 and 2 (one file per session, or
+                             one save_checkpoint file) to version 3, in place; run it once, with no
+                             worker saving, after upgrading from a release that wrote them
 
 Exit status: 0 on success, 1 when a session is missing, cannot be deleted or fails verification, or
-``clean`` met a manifest it could not read; 2 on a usage error or when the store cannot be used
+``clean`` met a manifest it could not read, or ``migrate`` a file it could not convert; 2 on a usage error or when the store cannot be used
 (``clean`` while a writer holds it). Errors are one line on stderr, never a traceback.
 """
 
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "clean", help="remove temp files and unpublished segments of killed writers, and blocks no session names"
     )
+    sub.add_parser("migrate", help="convert checkpoint files of versions 1 and 2 to version 3")
     return p
 
 
@@ -161,6 +165,16 @@ def _run(store: SessionStore, args: argparse.Namespace) -> int:
                 status = 1
             else:
                 print(f"ok   {sid} ({info.tokens} tokens, {info.segments} segment(s), {_mib(info.nbytes)} MiB)")
+    elif args.command == "migrate":
+        from .migrate import migrate
+
+        migrated = migrate(args.store)
+        for name, sid in migrated.converted:
+            print(f"converted {name} ({'session ' + repr(sid) if sid is not None else 'a checkpoint file'})")
+        for name, why in migrated.failed:
+            print(f"BAD  {name}: {why}", file=sys.stderr)
+            status = 1
+        print(f"{len(migrated.converted)} file(s) converted, {len(migrated.failed)} left as they were")
     elif args.command == "clean":
         result = store.clean()
         for name in result.removed:

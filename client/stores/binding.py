@@ -33,17 +33,10 @@ from muxworker.transport.checkpoint.blocks import (
     SegmentMemory,
     split_segment,
 )
-from muxworker.transport.checkpoint.file import (
-    _identity_mismatch,
-)
-from muxworker.transport.checkpoint.segments import (
-    SEGMENTED_VERSION,
-    SegmentRef,
-    SessionManifest,
-    assemble_checkpoint,
-    check_chain,
-    read_segment_header,
-)
+from muxworker.transport.checkpoint.container import FILE_VERSION, _identity_mismatch
+from muxworker.transport.checkpoint.file import assemble_checkpoint
+from muxworker.transport.checkpoint.manifest import SessionManifest, check_chain
+from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
 from muxworker.transport.errors import (  # noqa: F401  (the store's errors: local.py and objects.py raise them from here)
     ConfigurationMismatch,
     InvalidArgument,
@@ -86,11 +79,11 @@ class SessionInfo:
     session_id: str
     tokens: int  # the saved position: tokens of history with KV
     nbytes: int  # bytes on disk: segments plus manifest (or the one file)
-    segments: int  # files holding its rows (1 for a file version 1 or 2 session)
+    segments: int  # files holding its rows
     identity: str | None
     dtype: str
     backend: str
-    created: float  # seconds since the epoch (a version 1/2 file: its modification time)
+    created: float  # seconds since the epoch
     saved: float
     file_version: int
 
@@ -179,7 +172,7 @@ class ResumePlan:
 
     session_id: str
     fds: list[int]
-    manifest: SessionManifest | None  # None: a version 1 or 2 file (``fds`` holds it alone)
+    manifest: SessionManifest
 
     def close(self) -> None:
         for fd in self.fds:
@@ -429,7 +422,7 @@ class StoreBinding:
     # -- what every backend implements (SessionStore: a directory; ObjectSessionStore: a bucket) --
     # Blocking and thread-safe, for trio.to_thread. The client's save and resume use the begin /
     # commit pairs (the worker writes and reads the open descriptors they hold); save and load
-    # move host checkpoints (the pipe path).
+    # move host checkpoints (an application's own, and ``migrate``).
 
     def begin_save(self, session_id: str) -> SavePlan:
         raise NotImplementedError
@@ -468,9 +461,9 @@ class StoreBinding:
         raise NotImplementedError
 
     @staticmethod
-    def survey(manifests: Iterable[str], read: Callable[[str], SessionManifest | None]) -> ManifestSurvey:
-        """Read each manifest of ``manifests`` with ``read`` (None: a version 1 or 2 file, which
-        names no segment) for a collector. One gone meanwhile names nothing; one that cannot be
+    def survey(manifests: Iterable[str], read: Callable[[str], SessionManifest]) -> ManifestSurvey:
+        """Read each manifest of ``manifests`` with ``read`` for a collector (a file of version 1
+        or 2, which ``migrate`` converts, is unreadable: it protects its session's files). One gone meanwhile names nothing; one that cannot be
         read for any other reason is unreadable, and protects what it may name
         (:class:`ManifestSurvey`)."""
         survey = ManifestSurvey()
@@ -482,8 +475,7 @@ class StoreBinding:
             except Exception as exc:  # any reason at all: what it names is unknown
                 survey.unreadable.append((name, str(exc) or type(exc).__name__))
                 continue
-            if m is not None:
-                survey.named.update(r.name for r in m.segments)
+            survey.named.update(r.name for r in m.segments)
         return survey
 
     def assemble(self, m: SessionManifest, fds: builtins.list[int], where: str) -> CPUCheckpoint:
@@ -497,7 +489,7 @@ class StoreBinding:
             raise CheckpointTooLarge(
                 f"session {m.session_id!r} holds {total} payload bytes, over the limit of {self.max_bytes}"
             )
-        return assemble_checkpoint(m, list(zip(fds, headers, names)))
+        return assemble_checkpoint(list(zip(fds, headers, names)))
 
     def open_all(self, m: SessionManifest, open_one: Callable[[SegmentRef], int]) -> builtins.list[int]:
         """``open_one(ref)`` for every segment of ``m``, each checked to be the size its manifest
@@ -566,5 +558,5 @@ def manifest_info(m: SessionManifest, manifest_bytes: int) -> SessionInfo:
         str(m.format.get("backend")),
         m.created,
         m.saved,
-        SEGMENTED_VERSION,
+        FILE_VERSION,
     )

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -45,29 +45,12 @@ from muxworker.transport.checkpoint import (
 from muxworker.transport.checkpoint.blocks import (
     Piece,
 )
+from muxworker.transport.checkpoint.container import _open_regular, _write_all, replace_file
 from muxworker.transport.checkpoint.errors import os_failure
-from muxworker.transport.checkpoint.file import (
-    _open_regular,
-    _write_all,
-    read_checkpoint_file,
-    replace_file,
-    write_checkpoint_file,
-)
-from muxworker.transport.checkpoint.segments import (
-    SEGMENTED_VERSION,
-    SegmentRef,
-    SessionManifest,
-    encode_session_manifest,
-    file_version,
-    read_payload_into,
-    read_segment_header,
-    read_session_manifest,
-    write_checkpoint_segment,
-)
+from muxworker.transport.checkpoint.file import write_checkpoint_segment
+from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
+from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
 from muxworker.transport.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    pass
 
 from .binding import (
     _TEMP_NAME,
@@ -276,24 +259,19 @@ class SessionStore(StoreBinding):
     def _not_found(self, session_id: str) -> CheckpointNotFound:
         return CheckpointNotFound(f"no saved checkpoint for session {session_id!r}")
 
-    def _read_saved(self, dir_fd: int, session_id: str | None, name: str) -> tuple[int, SessionManifest | None, Any]:
-        """(file version, manifest of a version 3 session or None, (session id, checkpoint manifest
-        only) of a version 1/2 file) for the manifest file ``name``; checks the identity, nothing else."""
+    def _read_saved(self, dir_fd: int, name: str) -> SessionManifest:
+        """The session manifest in the file ``name`` (a file of version 1 or 2 raises
+        CheckpointIncompatible naming ``migrate``); checks nothing else."""
         with _reading_manifest(name):
             fd, _ = _open_regular(name, dir_fd)
             try:
-                version = file_version(fd, name)
-                if version == SEGMENTED_VERSION:
-                    return version, read_session_manifest(fd, name), None
-                found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
-                return version, None, found
+                return read_session_manifest(fd, name)
             finally:
                 os.close(fd)
 
-    def _manifest(self, dir_fd: int, session_id: str) -> SessionManifest | None:
-        """The verified version 3 manifest of ``session_id``, None for a version 1/2 file; raises
-        CheckpointNotFound, CheckpointCorrupt (another session's file), CheckpointIncompatible
-        or StoreUnavailable (the system failed the read)."""
+    def _manifest(self, dir_fd: int, session_id: str) -> SessionManifest:
+        """The verified manifest of ``session_id``; raises CheckpointNotFound, CheckpointCorrupt
+        (another session's file), CheckpointIncompatible or StoreUnavailable (the system failed the read)."""
         name = session_hash(session_id) + SUFFIX
         with _reading_manifest(name):
             try:
@@ -301,8 +279,6 @@ class SessionStore(StoreBinding):
             except CheckpointNotFound:
                 raise self._not_found(session_id) from None
             try:
-                if file_version(fd, name) != SEGMENTED_VERSION:
-                    return None
                 m = read_session_manifest(fd, name)
             finally:
                 os.close(fd)
@@ -314,7 +290,7 @@ class SessionStore(StoreBinding):
         return self.open_all(m, lambda ref: _open_regular(ref.name, dir_fd)[0])
 
     def _with_segments(self, session_id: str, body: Any) -> Any:
-        """Run ``body(dir_fd, manifest | None, fds)`` on the vetted open files of ``session_id``.
+        """Run ``body(dir_fd, manifest, fds)`` on the vetted open files of ``session_id``.
         A manifest replaced meanwhile (a concurrent compaction deleted a segment) is read again."""
         try:
             dir_fd = self._open_dir()
@@ -325,13 +301,6 @@ class SessionStore(StoreBinding):
         try:
             for attempt in range(3):
                 m = self._manifest(dir_fd, session_id)
-                if m is None:
-                    name = session_hash(session_id) + SUFFIX
-                    try:
-                        fd, _ = _open_regular(name, dir_fd)
-                    except CheckpointNotFound:
-                        raise self._not_found(session_id) from None
-                    return body(dir_fd, None, [fd])
                 try:
                     fds = self._open_segments(dir_fd, m)
                 except CheckpointNotFound:
@@ -356,34 +325,14 @@ class SessionStore(StoreBinding):
 
         self._check_bound("load a session")
 
-        def body(dir_fd: int, m: SessionManifest | None, fds: list[int]) -> CPUCheckpoint:
+        def body(dir_fd: int, m: SessionManifest, fds: list[int]) -> CPUCheckpoint:
             try:
-                if m is None:
-                    return self._load_legacy(session_id, fds[0])
                 return self.assemble(m, fds, str(self.path_for(session_id)))
             finally:
                 for fd in fds:
                     os.close(fd)
 
         return self._with_segments(session_id, body)
-
-    def _load_legacy(self, session_id: str, fd: int) -> CPUCheckpoint:
-        name = session_hash(session_id) + SUFFIX
-        found, checkpoint = read_checkpoint_file(
-            name,
-            fd=fd,
-            expected_identity=self.identity or None,  # inspecting: any identity
-            max_bytes=self.max_bytes,
-            expected_inputs=self.inputs,
-            expected_label="store",
-        )
-        if found != session_id:
-            raise CheckpointCorrupt(
-                f"{name} holds session {found!r}, not {session_id!r}; the file was renamed or copied"
-            )
-        assert checkpoint is not None  # not manifest_only, so the payloads were read
-        self._check_format(checkpoint)  # files saved before save() checked it
-        return checkpoint
 
     def begin_resume(self, session_id: str) -> ResumePlan:
         """Open and vet the files of ``session_id`` for a worker to restore from (the caller closes
@@ -398,11 +347,8 @@ class SessionStore(StoreBinding):
         """Read every byte of ``session_id``'s files and check every checksum; raise as :meth:`load`."""
         info = self.info(session_id)
 
-        def body(dir_fd: int, m: SessionManifest | None, fds: list[int]) -> None:
+        def body(dir_fd: int, m: SessionManifest, fds: list[int]) -> None:
             try:
-                if m is None:
-                    self._load_legacy(session_id, fds[0])
-                    return
                 for fd, ref in zip(fds, m.segments):
                     name = f"segment {ref.name} of session {session_id!r}"
                     header = read_segment_header(fd, name, ref)
@@ -425,38 +371,12 @@ class SessionStore(StoreBinding):
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 raise self._not_found(session_id) from None
-            version, m, _ = self._read_saved(dir_fd, session_id, name)
-            if m is not None:
-                if m.session_id != session_id:
-                    raise CheckpointCorrupt(f"{name} holds session {m.session_id!r}, not {session_id!r}")
-                return manifest_info(m, st.st_size)
-            return self._legacy_info(dir_fd, name, session_id, st, version)
+            m = self._read_saved(dir_fd, name)
+            if m.session_id != session_id:
+                raise CheckpointCorrupt(f"{name} holds session {m.session_id!r}, not {session_id!r}")
+            return manifest_info(m, st.st_size)
         finally:
             os.close(dir_fd)
-
-    def _legacy_info(self, dir_fd: int, name: str, session_id: str, st: os.stat_result, version: int) -> SessionInfo:
-        with _reading_manifest(name):
-            fd, _ = _open_regular(name, dir_fd)
-            try:
-                found, _ = read_checkpoint_file(name, fd=fd, max_bytes=sys.maxsize, manifest_only=True)
-                manifest = _legacy_wire(fd, name)
-            finally:
-                os.close(fd)
-        if found != session_id:
-            raise CheckpointCorrupt(f"{name} holds session {found!r}, not {session_id!r}")
-        fmt = manifest.get("format", {})
-        return SessionInfo(
-            session_id,
-            int(manifest.get("position", 0)),
-            st.st_size,
-            1,
-            manifest.get("identity"),
-            str(fmt.get("dtype")),
-            str(fmt.get("backend")),
-            st.st_mtime,
-            st.st_mtime,
-            version,
-        )
 
     def list(self) -> builtins.list[str]:
         """Session ids with a saved file, sorted; temp files and unreadable files are skipped."""
@@ -477,12 +397,9 @@ class SessionStore(StoreBinding):
                     continue
                 try:
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    version, m, found = self._read_saved(dir_fd, None, name)
-                    if m is not None:
-                        if session_hash(m.session_id) + SUFFIX == name:
-                            out.append(manifest_info(m, st.st_size))
-                    elif found is not None and session_hash(found) + SUFFIX == name:
-                        out.append(self._legacy_info(dir_fd, name, found, st, version))
+                    m = self._read_saved(dir_fd, name)
+                    if session_hash(m.session_id) + SUFFIX == name:
+                        out.append(manifest_info(m, st.st_size))
                 except (CheckpointError, OSError):
                     continue  # damaged, foreign or vanished meanwhile
             return sorted(out, key=lambda i: i.session_id)
@@ -498,9 +415,8 @@ class SessionStore(StoreBinding):
                 if not MANIFEST_NAME.fullmatch(name):
                     continue
                 try:
-                    _, m, found = self._read_saved(dir_fd, None, name)
-                    sid = m.session_id if m is not None else found
-                    if sid is None or session_hash(sid) + SUFFIX != name:
+                    sid = self._read_saved(dir_fd, name).session_id
+                    if session_hash(sid) + SUFFIX != name:
                         out.append((name, f"holds session {sid!r}, whose file has another name (renamed or copied)"))
                 except (CheckpointError, OSError) as e:
                     out.append((name, str(e)))
@@ -762,13 +678,9 @@ class SessionStore(StoreBinding):
         raises :class:`CheckpointIncompatible`. Over ``max_bytes`` raises
         :class:`CheckpointTooLarge`; disk full, a read-only file system or denied permission raise
         :class:`CheckpointWriteError` with that ``reason``. On any failure the previous save stays
-        loadable. A checkpoint with draft-model state is written as one version 2 file.
+        loadable. Draft-model state is written with the rows.
         """
-        digest = session_hash(session_id)
         checkpoint = self.checked_for_save(checkpoint)
-        if checkpoint.draft is not None:
-            self._save_legacy(session_id, digest, checkpoint)
-            return
         plan = self.begin_save(session_id)
         plan.base = None  # a host checkpoint is written whole
         try:
@@ -785,30 +697,6 @@ class SessionStore(StoreBinding):
             self.abort_save(plan)
             raise
         self.commit_save(plan, written, checkpoint.format, checkpoint.geometry)
-
-    def _save_legacy(self, session_id: str, digest: str, checkpoint: CPUCheckpoint) -> None:
-        dir_fd = self._open_dir()
-        try:
-            with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH), self._locked(dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):
-                try:
-                    old = self._manifest(dir_fd, session_id)
-                except CheckpointError:
-                    old = None
-                write_checkpoint_file(
-                    checkpoint,
-                    dir_fd,
-                    digest + SUFFIX,
-                    temp_prefix=digest,
-                    session_id=session_id,
-                    max_bytes=self.max_bytes,
-                    display=f"session {session_id!r} ({self.path / (digest + SUFFIX)})",
-                    identity_inputs=self.inputs,
-                )
-                for ref in old.segments if old is not None else []:
-                    if not ref.shared:
-                        self._unlink(dir_fd, ref.name)
-        finally:
-            os.close(dir_fd)
 
     # -- removing -------------------------------------------------------------------------------
 
@@ -881,7 +769,7 @@ class SessionStore(StoreBinding):
             with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 names = sorted(os.listdir(dir_fd))
                 survey = self.survey(
-                    (n for n in names if MANIFEST_NAME.fullmatch(n)), lambda n: self._read_saved(dir_fd, None, n)[1]
+                    (n for n in names if MANIFEST_NAME.fullmatch(n)), lambda n: self._read_saved(dir_fd, n)
                 )
                 stray, kept = survey.partition(names)
                 removed, nbytes = [], 0
@@ -944,12 +832,3 @@ def _reading_manifest(name: str) -> Iterator[None]:
     except OSError as e:
         failure = os_failure(CheckpointReadError, e, f"cannot read {name!r}")
         raise StoreUnavailable(f"{failure}; the saved session is not known to be damaged") from None
-
-
-def _legacy_wire(fd: int, name: str) -> dict[str, Any]:
-    """The wire manifest of a version 1/2 file (already verified by read_checkpoint_file)."""
-    from muxworker.transport.checkpoint.file import _FILE_KEYS, _read_manifest, fstat_regular
-
-    manifest, _, _ = _read_manifest(fd, fstat_regular(fd, name), name, _FILE_KEYS)
-    wire = manifest["checkpoint"]
-    return wire if isinstance(wire, dict) else {}

@@ -9,7 +9,7 @@ reaches the bucket, and a save after a turn uploads only that turn's rows.
   channel), never a path, so each segment is staged in an anonymous memory file (``memfd``). A save
   is written there by the worker, then uploaded. A resume downloads the segments into memfds and
   passes them to the worker, which checks every CRC before it publishes the session. Host
-  checkpoints (``save`` / ``load``, the pipe path) go through the same memfds.
+  checkpoints (``save`` / ``load``) go through the same memfds.
 - **Atomic saves.** Segments are uploaded create-only, before the manifest that names them. The
   manifest is replaced with a conditional write: create-only when the save found none, and
   ``If-Match`` the version it found otherwise. So a reader sees the old session or the new one,
@@ -52,13 +52,9 @@ from muxworker.transport.checkpoint import (
     checkpoint_identity_inputs,
 )
 from muxworker.transport.checkpoint.blocks import BLOCK_NAME, BLOCK_SUFFIX, DEFAULT_BLOCK_TOKENS, Piece
-from muxworker.transport.checkpoint.segments import (
-    SegmentRef,
-    SessionManifest,
-    encode_session_manifest,
-    read_session_manifest,
-    write_checkpoint_segment,
-)
+from muxworker.transport.checkpoint.file import write_checkpoint_segment
+from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
+from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import InvalidArgument
 
 from .binding import (
@@ -497,11 +493,6 @@ class ObjectSessionStore(StoreBinding):
     def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
         """Atomically replace ``session_id``'s saved checkpoint with ``checkpoint`` (host memory)."""
         checkpoint = self.checked_for_save(checkpoint)
-        if checkpoint.draft is not None:
-            raise InvalidArgument(
-                "a checkpoint with draft-model state is saved whole (file version 2), which the object "
-                "store does not hold yet; use a local SessionStore for draft-model sessions"
-            )
         plan = self.begin_save(session_id)
         plan.base = None  # a host checkpoint is written whole
         try:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import muxworker.transport.checkpoint.file as ckfile
+import muxworker.transport.checkpoint.segments as segments
 from muxworker.native import crc32c
 from muxworker.transport.checkpoint import (
     CheckpointCorrupt,
@@ -43,28 +43,37 @@ def make_checkpoint(
     def rows(n):
         return rng.integers(0, 256, size=(n, kv, d * np.dtype(storage).itemsize), dtype=np.uint8).view(storage)
 
-    def layers(ws):
+    def layers(ws, at=position):
         out = []
         for w in ws:
-            start = 0 if w is None else max(0, position - w)
-            out.append(LayerState(start, rows(position - start), rows(position - start)))
+            start = 0 if w is None else max(0, at - w)
+            out.append(LayerState(start, rows(at - start), rows(at - start)))
         return out
 
+    tokens = rng.integers(0, 50_000, size=position, dtype=np.int32)
     return CPUCheckpoint(
         format={"backend": "torch", "dtype": dtype, "layout_version": 1},
         geometry={"num_layers": len(windows), "num_kv_heads": kv, "head_dim": d, "windows": list(windows)},
         position=position,
-        token_ids=rng.integers(0, 50_000, size=position, dtype=np.int32),
+        token_ids=tokens,
         layers=layers(windows),
         draft=None
         if not draft
-        else {
+        else {  # the draft lags by 3 committed tokens, which are pending for it
             "geometry": {"num_layers": 1, "num_kv_heads": kv, "head_dim": d, "windows": [3]},
-            "layers": layers([3]),
-            "pending_token_ids": np.array([5, 6, 7], np.int32),
+            "layers": layers([3], position - 3),
+            "pending_token_ids": tokens[position - 3 :].copy(),
         },
         identity=identity,
     )
+
+
+def stored(ckpt: CPUCheckpoint) -> list[np.ndarray]:
+    """The arrays a checkpoint file stores, in order (the draft's pending tokens are derived)."""
+    out = [ckpt.token_ids]
+    for layer in ckpt.layers + (ckpt.draft["layers"] if ckpt.draft else []):
+        out += [layer.keys, layer.values]
+    return out
 
 
 def arrays(ckpt: CPUCheckpoint) -> list[np.ndarray]:
@@ -88,7 +97,7 @@ def assert_same(a: CPUCheckpoint, b: CPUCheckpoint) -> None:
 def layout(data: bytes) -> dict:
     """The file's regions, parsed independently of the loader (per docs/CHECKPOINT_FORMAT.md)."""
     magic, version, manifest_len = struct.unpack_from("<8sII", data, 0)
-    assert (magic, version) == (b"MUXCKPT\0", 2)
+    assert (magic, version) == (b"MUXCKPT\0", 3)
     manifest = msgpack.unpackb(data[16 : 16 + manifest_len])
     head_end = 16 + manifest_len + 4
     payloads = [(p["offset"], p["length"]) for p in manifest["payloads"]]
@@ -136,8 +145,8 @@ def test_file_layout_is_aligned_and_private(saved):
     ckpt, path = saved
     data = path.read_bytes()
     regions = layout(data)
-    assert [off % 4096 for off, _ in regions["payloads"]] == [0] * len(arrays(ckpt))
-    assert [length for _, length in regions["payloads"]] == [a.nbytes for a in arrays(ckpt)]
+    assert [off % 4096 for off, _ in regions["payloads"]] == [0] * len(stored(ckpt))
+    assert [length for _, length in regions["payloads"]] == [a.nbytes for a in stored(ckpt)]
     assert all(data[lo:hi] == bytes(hi - lo) for lo, hi in regions["padding"])
     assert data[-24:-16] == b"MUXEND\0\0"
     assert struct.unpack_from("<Q", data, len(data) - 16)[0] == len(data)
@@ -308,7 +317,7 @@ def test_appended_bytes_are_corrupt(saved):
         load_checkpoint(path)
 
 
-def _rewrite_header(path, manifest_obj=None, *, version=2, manifest_bytes=None, manifest_len=None, keep_offsets=False):
+def _rewrite_header(path, manifest_obj=None, *, version=3, manifest_bytes=None, manifest_len=None, keep_offsets=False):
     """Rebuild the header and its CRC around a chosen manifest; keep everything after it (with
     ``keep_offsets``, keep the payloads where they were, re-padding the header block)."""
     data = path.read_bytes()
@@ -371,7 +380,7 @@ def test_well_checksummed_but_malformed_manifests_are_corrupt(saved, body):
 def test_inconsistent_checkpoint_manifest_with_valid_checksums_is_corrupt(saved):
     _, path = saved
     manifest = layout(path.read_bytes())["manifest_obj"]
-    manifest["checkpoint"]["geometry"]["num_kv_heads"] += 1
+    manifest["geometry"]["num_kv_heads"] += 1
     _rewrite_header(path, manifest)
     data = bytearray(path.read_bytes())
     head_len = 16 + struct.unpack_from("<I", data, 12)[0]
@@ -379,48 +388,41 @@ def test_inconsistent_checkpoint_manifest_with_valid_checksums_is_corrupt(saved)
     trailer = struct.pack("<8sQI", b"MUXEND\0\0", len(data), head_crc)
     data[-24:] = trailer + struct.pack("<I", crc32c(trailer))
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match="num_kv_heads|shape"):
+    with pytest.raises(CheckpointCorrupt, match="payload size disagrees"):
         load_checkpoint(path)
 
 
 def test_a_newer_file_version_is_incompatible_not_corrupt(saved):
     _, path = saved
     manifest = layout(path.read_bytes())["manifest_obj"]
-    _rewrite_header(path, manifest, version=3)
-    with pytest.raises(CheckpointIncompatible, match="version 3"):
+    _rewrite_header(path, manifest, version=4)
+    with pytest.raises(CheckpointIncompatible, match="version 4"):
         load_checkpoint(path)
 
 
-def test_a_version_1_file_without_identity_inputs_still_loads(saved):
-    ckpt, path = saved
-    manifest = layout(path.read_bytes())["manifest_obj"]
-    assert manifest.pop("identity_inputs") is None  # save_checkpoint was given none
-    _rewrite_header(path, manifest, version=1, keep_offsets=True)
-    assert_same(ckpt, load_checkpoint(path, expected_identity="model-a"))
-    with pytest.raises(CheckpointIncompatible, match="does not record what it was made from"):
-        load_checkpoint(path, expected_identity="model-b")
-    # ... but version 1 never had the field, and version 2 has it always.
-    _rewrite_header(path, {**manifest, "identity_inputs": None}, version=1, keep_offsets=True)
-    with pytest.raises(CheckpointCorrupt, match="fields"):
-        load_checkpoint(path)
-    _rewrite_header(path, manifest, version=2, keep_offsets=True)
-    with pytest.raises(CheckpointCorrupt, match="fields"):
+@pytest.mark.parametrize("name", ["single-v1.mxckpt", "single-v2.mxckpt"])
+def test_a_version_1_or_2_file_names_the_migrate_command(tmp_path, name):
+    from tests.helpers.legacy import DATA
+
+    path = tmp_path / name
+    shutil.copy(DATA / name, path)
+    with pytest.raises(CheckpointIncompatible, match=r"version \d; .*python -m muxworker.sessions DIR migrate"):
         load_checkpoint(path)
 
 
-def test_malformed_identity_inputs_are_corrupt(saved):
+def test_unknown_manifest_fields_are_corrupt(saved):
     _, path = saved
     manifest = layout(path.read_bytes())["manifest_obj"]
-    for bad in ({"files": []}, {"files": [{"name": "a"}], "configuration": {}}, [1], "x"):
-        _rewrite_header(path, {**manifest, "identity_inputs": bad}, keep_offsets=True)
-        with pytest.raises(CheckpointCorrupt, match="identity_inputs"):
+    for extra in ({"identity_inputs": None}, {"checkpoint": {}}):
+        _rewrite_header(path, {**manifest, **extra}, keep_offsets=True)
+        with pytest.raises(CheckpointCorrupt, match="fields"):
             load_checkpoint(path)
 
 
 def test_a_newer_kv_layout_is_incompatible(saved):
     _, path = saved
     manifest = layout(path.read_bytes())["manifest_obj"]
-    manifest["checkpoint"]["format"]["layout_version"] = 2
+    manifest["format"]["layout_version"] = 2
     _rewrite_header(path, manifest)
     with pytest.raises(CheckpointIncompatible, match="layout version 2"):
         load_checkpoint(path)
@@ -451,8 +453,10 @@ def test_max_bytes_on_save_keeps_the_previous_file(saved):
 
 def test_max_bytes_on_load(saved):
     ckpt, path = saved
+    payload_bytes = sum(a.nbytes for a in stored(ckpt))
     with pytest.raises(CheckpointTooLarge):
-        load_checkpoint(path, max_bytes=ckpt.nbytes - 1)
+        load_checkpoint(path, max_bytes=payload_bytes - 1)
+    assert_same(ckpt, load_checkpoint(path, max_bytes=payload_bytes))
 
 
 def test_symlinks_are_rejected_on_load_and_save(saved, tmp_path):
@@ -523,14 +527,13 @@ def test_truncating_the_file_after_loading_does_not_crash_the_process(saved):
 def test_a_file_changed_while_it_is_read_fails_its_checksum(saved, monkeypatch):
     # The CRC is computed on the bytes this load owns, so a change racing with the read is caught.
     ckpt, path = saved
-    real = ckfile._read_exact
-    first_payload = layout(path.read_bytes())["payloads"][0][0]
+    real = segments.read_payload
 
-    def read_then_change(fd, view, offset, path):
-        real(fd, view, offset, path)
-        if offset == first_payload:  # as if the file changed under the read
-            view[0] ^= 0xFF
+    def read_then_change(fd, header, index, views, path, pace=None):
+        real(fd, header, index, views, path, pace)
+        if index == 0:  # as if the file changed under the read
+            views[0][0] ^= 0xFF
 
-    monkeypatch.setattr(ckfile, "_read_exact", read_then_change)
+    monkeypatch.setattr(segments, "read_payload", read_then_change)
     with pytest.raises(CheckpointCorrupt, match="payload 0 checksum mismatch"):
         load_checkpoint(path)

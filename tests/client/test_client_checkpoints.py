@@ -27,6 +27,8 @@ from muxworker.client import (
     spawn_multiplexed_worker,
 )
 
+pytestmark = pytest.mark.slow  # real worker processes: the end-to-end tier (make test)
+
 HANG_GUARD_S = 60.0
 
 
@@ -104,6 +106,51 @@ async def test_save_restart_resume_prefills_only_the_suffix_and_matches_a_cold_r
             await client.resume_session("chat")
         with pytest.raises(CheckpointNotFound):
             await client.resume_session("never-saved")
+
+
+async def test_a_draft_model_session_saves_and_resumes_through_the_store_with_its_draft(model_dir, tmp_path):
+    """A worker with a draft model saves through the file channel like any other: the draft's
+    rows go with the session's (one segment file, no separate format), a turn later appends, and
+    a new worker resumes with the draft where it was, exactly like the first one continues."""
+    draft = model_dir  # the model drafting for itself: a draft model all the same, with its own cache
+    command = default_worker_command(
+        model_dir, dtype="float32", max_sessions=8, max_session_tokens=512, draft=draft, n_draft=3
+    )
+    store = await _store(tmp_path / "store", model_dir, draft=str(draft), n_draft=3)
+    with trio.fail_after(HANG_GUARD_S):
+        async with spawn_multiplexed_worker(command, session_store=store) as client:
+            await client.open_session("chat")
+            first = await client.generate(PROMPT, greedy("chat")).wait()
+            saved = await client.save_session("chat")
+            before = await client.export_checkpoint_to_cpu("chat", identity=store.identity)
+            assert before.draft is not None and saved.segments == 1 and not saved.incremental
+            history = PROMPT + first.generated_token_ids + SUFFIX
+            second = await client.generate(history, greedy("chat")).wait()
+            again = await client.save_session("chat")
+            assert again.incremental and again.segments == 2
+            expected = await client.generate(history + second.generated_token_ids + SUFFIX, greedy("chat")).wait()
+        async with spawn_multiplexed_worker(command, session_store=store) as client:
+            await client.resume_session("chat")
+            resumed = await client.generate(history + second.generated_token_ids + SUFFIX, greedy("chat")).wait()
+            assert resumed.prefilled_prompt_tokens == 1 + len(SUFFIX)
+            assert resumed.generated_token_ids == expected.generated_token_ids
+            # A host checkpoint with draft state restores into a new session of the same worker.
+            await client.restore_checkpoint_from_cpu(before, "copy")
+            copy = await client.export_checkpoint_to_cpu("copy", identity=store.identity)
+            _same_bytes(copy, before)
+            assert copy.draft_position == before.draft_position
+            for x, y in zip(copy.draft["layers"], before.draft["layers"]):
+                assert (x.start, x.keys.tobytes(), x.values.tobytes()) == (
+                    y.start,
+                    y.keys.tobytes(),
+                    y.values.tobytes(),
+                )
+    # A worker without the draft refuses the session, leaving the id unused.
+    async with spawn_multiplexed_worker(
+        default_worker_command(model_dir, dtype="float32", max_sessions=8, max_session_tokens=512)
+    ) as plain:
+        with pytest.raises(CheckpointRejected, match="carries draft-model state"):
+            await plain.restore_checkpoint_from_cpu(before, "x")
 
 
 async def test_exact_retry_restores_one_token_early_and_prefills_one(worker_command, model_dir, tmp_path):

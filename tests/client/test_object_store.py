@@ -39,7 +39,7 @@ from muxworker.client.stores import StorePermissionError, StoreUnavailable, sess
 from muxworker.client.stores.objects import connect
 from muxworker.native import crc32c
 from muxworker.transport.checkpoint import CheckpointIncompatible
-from muxworker.transport.checkpoint.segments import write_checkpoint_segment
+from muxworker.transport.checkpoint.file import write_checkpoint_segment
 
 obstore = pytest.importorskip("obstore")
 from helpers.s3 import BUCKET, moto_server  # noqa: E402
@@ -161,6 +161,7 @@ def greedy(session_id: str, n: int = 8) -> GenerationParams:
     return GenerationParams(session_id=session_id, max_new_tokens=n, temperature=0.0, stop_token_ids=[])
 
 
+@pytest.mark.slow  # a real worker, a killed writer or a stalled server: the end-to-end tier
 async def test_a_worker_saves_incrementally_and_resumes_exactly_through_s3(s3_env, tiny_model_factory):
     model_dir = tiny_model_factory("mistral")  # sliding-window rings: incremental saves must stay exact
     from muxworker.client import default_worker_command
@@ -253,6 +254,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.slow  # a real worker, a killed writer or a stalled server: the end-to-end tier
 async def test_a_writer_killed_mid_upload_leaves_the_previous_save_loadable(s3_env, model_files, tmp_path):
     # kill -9 at random moments of saves (each a segment upload, then a conditional manifest
     # write): every time, the session loads and is one of the checkpoints the writer saved.
@@ -466,6 +468,7 @@ async def test_a_collector_beside_concurrent_saves_never_takes_a_named_block(sto
     assert _blocks(store) == _named(store, *saved)
 
 
+@pytest.mark.slow  # a real worker, a killed writer or a stalled server: the end-to-end tier
 async def test_a_worker_saves_in_blocks_and_sessions_from_one_prompt_share_them(store_url, tiny_model_factory):
     # Through the file channel: a save that stays inside a block appends a tail segment; one that
     # completes a block is written from the end of the last block, which the store cuts into a
@@ -518,6 +521,7 @@ async def test_a_worker_saves_in_blocks_and_sessions_from_one_prompt_share_them(
                 assert resumed.generated_token_ids == live.generated_token_ids
 
 
+@pytest.mark.slow  # a real worker, a killed writer or a stalled server: the end-to-end tier
 def test_the_chat_saves_and_resumes_a_session_on_s3(s3_env, tiny_llama_dir, tmp_path):
     from test_chat import STATS, Terminal
 
@@ -694,6 +698,7 @@ async def _timed(call) -> float:
     return time.monotonic() - began
 
 
+@pytest.mark.slow  # a real worker, a killed writer or a stalled server: the end-to-end tier
 async def test_a_store_that_stops_answering_is_unavailable_within_its_timeout(s3_env, model_files):
     timeout = 4.0
     with moto_server() as (endpoint, server):

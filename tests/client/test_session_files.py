@@ -34,6 +34,8 @@ from muxworker.client import (
     spawn_multiplexed_worker,
 )
 
+pytestmark = pytest.mark.slow  # real worker processes: the end-to-end tier (make test)
+
 HANG_GUARD_S = 120.0
 
 

@@ -84,7 +84,7 @@ def test_delete_and_prune(store):
     old = time.time() - 3 * 86400
     store.save("old", checkpoint(5, 3))
     # Age "old" by rewriting its manifest's saved time through the store's own API.
-    from muxworker.transport.checkpoint.segments import encode_session_manifest
+    from muxworker.transport.checkpoint.manifest import encode_session_manifest
 
     dir_fd = os.open(store.path, os.O_RDONLY)
     try:
@@ -192,3 +192,56 @@ def test_a_store_error_is_one_line_not_a_traceback(store):
     lines = out.stderr.splitlines()
     assert len(lines) == 2 and all(line.startswith("error: cannot delete session") for line in lines)
     assert sorted(store.list()) == ["agent/2", "chat: one"]
+
+
+def test_migrate_converts_version_1_and_2_files_once_and_they_load_as_saved(tmp_path):
+    """Files the version 2 writer wrote (tests/data/legacy): unreadable until migrated (the error
+    names the command), then sessions and single checkpoints hold exactly what was saved."""
+    import shutil
+
+    from helpers.legacy import DATA, IDENTITY, INPUTS, SESSIONS, legacy_checkpoint
+
+    from muxworker.transport.checkpoint import CheckpointIncompatible, load_checkpoint
+
+    shutil.copytree(DATA, tmp_path / "legacy")
+    root = tmp_path / "legacy"
+    stores = {v: SessionStore(root / f"store-v{v}", identity=IDENTITY, inputs=INPUTS) for v in (1, 2)}
+    with pytest.raises(CheckpointIncompatible, match="sessions DIR migrate"):
+        stores[2].load("plain")
+    assert stores[2].list() == []  # unreadable, so not listed; clean keeps it (it protects its files)
+    assert cli(stores[2].path, "clean").returncode == 1
+    for version in (1, 2):
+        out = cli(root / f"store-v{version}", "migrate")
+        assert out.returncode == 0, out.stderr
+        assert "session 'plain'" in out.stdout and "session 'with-draft'" in out.stdout
+        assert out.stdout.splitlines()[-1] == "2 file(s) converted, 0 left as they were"
+        for seed, (sid, draft) in enumerate(SESSIONS.items()):
+            got, want = stores[version].load(sid), legacy_checkpoint(draft=draft, seed=seed)
+            assert got.token_ids.tobytes() == want.token_ids.tobytes()
+            for a, b in zip(got.layers, want.layers):
+                assert (a.start, a.keys.tobytes(), a.values.tobytes()) == (
+                    b.start,
+                    b.keys.tobytes(),
+                    b.values.tobytes(),
+                )
+            assert (got.draft is None) == (not draft)
+            if draft:
+                assert got.draft_position == want.draft_position
+                assert got.draft["pending_token_ids"].tolist() == want.draft["pending_token_ids"].tolist()
+                (a,), (b,) = got.draft["layers"], want.draft["layers"]
+                assert a.keys.tobytes() == b.keys.tobytes() and a.values.tobytes() == b.values.tobytes()
+        again = cli(root / f"store-v{version}", "migrate")
+        assert again.stdout.splitlines()[-1] == "0 file(s) converted, 0 left as they were"
+    # Standalone save_checkpoint files, and one damaged file, which stays as it was.
+    damaged = root / "damaged.mxckpt"
+    data = bytearray((root / "single-v2.mxckpt").read_bytes())
+    data[4096] ^= 0xFF  # the first payload (the token ids), whose CRC then fails
+    damaged.write_bytes(bytes(data))
+    out = cli(root, "migrate")
+    assert out.returncode == 1
+    assert "converted single-v1.mxckpt (a checkpoint file)" in out.stdout
+    assert "BAD  damaged.mxckpt" in out.stderr and damaged.read_bytes() == bytes(data)
+    want = legacy_checkpoint(draft=True, seed=7)
+    for name in ("single-v1.mxckpt", "single-v2.mxckpt"):
+        got = load_checkpoint(root / name, expected_identity=IDENTITY)
+        assert got.token_ids.tobytes() == want.token_ids.tobytes() and got.draft_position == want.draft_position

@@ -14,13 +14,13 @@ from muxworker.transport.checkpoint.blocks import (
     SegmentMemory,
     split_segment,
 )
+from muxworker.transport.checkpoint.file import write_checkpoint_segment
 from muxworker.transport.checkpoint.segments import (
     LayerRows,
     SegmentRef,
     byte_view,
     read_payload_into,
     read_segment_header,
-    write_checkpoint_segment,
     write_segment,
 )
 

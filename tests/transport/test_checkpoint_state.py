@@ -1,8 +1,10 @@
+"""The checkpoint data model (transport/checkpoint/state.py) and a checkpoint's round trip through
+a segment in a memory file, the way it travels to and from a worker."""
+
 from __future__ import annotations
 
-import copy
+import os
 
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,11 +16,12 @@ from muxworker.transport.checkpoint import (
     CheckpointRetentionError,
     CPUCheckpoint,
     LayerState,
-    checkpoint_from_wire,
-    checkpoint_to_wire,
     numpy_storage_dtype,
     required_rows,
 )
+from muxworker.transport.checkpoint.container import memory_file
+from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
+from muxworker.transport.checkpoint.segments import read_segment_header
 from muxworker.transport.errors import CheckpointRejected, MuxError, error_from_wire
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -34,6 +37,7 @@ def make_checkpoint(
     draft_windows: list[int | None] | None = None,
     identity: str | None = "id-1",
     seed: int = 0,
+    draft_lag: int = 3,
 ) -> CPUCheckpoint:
     """A checkpoint shaped as a cache would export it: full layers keep all rows, a sliding layer
     with window W keeps the last W (a ring)."""
@@ -43,15 +47,17 @@ def make_checkpoint(
     def rows(n: int) -> np.ndarray:  # random bit patterns: NaNs and all, compared as bytes
         return rng.integers(0, 256, size=(n, kv, d, storage.itemsize), dtype=np.uint8).view(storage)[..., 0]
 
-    def layers(ws) -> list[LayerState]:
+    def layers(ws, at: int = position) -> list[LayerState]:
         out = []
         for w in ws:
-            start = 0 if w is None else max(0, position - w)
-            out.append(LayerState(start, rows(position - start), rows(position - start)))
+            start = 0 if w is None else max(0, at - w)
+            out.append(LayerState(start, rows(at - start), rows(at - start)))
         return out
 
+    tokens = rng.integers(0, 50_000, size=position, dtype=np.int32)
     draft = None
     if draft_windows is not None:
+        at = max(0, position - draft_lag)  # the draft lags: committed tokens are pending for it
         draft = {
             "geometry": {
                 "num_layers": len(draft_windows),
@@ -59,26 +65,28 @@ def make_checkpoint(
                 "head_dim": d,
                 "windows": list(draft_windows),
             },
-            "layers": layers(draft_windows),
-            "pending_token_ids": rng.integers(0, 1000, size=3, dtype=np.int32),
-            "pending_features": rows(2).reshape(2, kv * d),
+            "layers": layers(draft_windows, at),
+            "pending_token_ids": tokens[at:].copy(),
         }
     return CPUCheckpoint(
         format={"backend": "torch", "dtype": dtype, "layout_version": 1},
         geometry={"num_layers": len(windows), "num_kv_heads": kv, "head_dim": d, "windows": list(windows)},
         position=position,
-        token_ids=rng.integers(0, 50_000, size=position, dtype=np.int32),
+        token_ids=tokens,
         layers=layers(windows),
         draft=draft,
         identity=identity,
     )
 
 
-def over_the_wire(ckpt: CPUCheckpoint) -> CPUCheckpoint:
-    """Encode, pack the manifest as a frame would, and decode from fresh byte buffers."""
-    manifest, payloads = checkpoint_to_wire(ckpt)
-    received = msgpack.unpackb(msgpack.packb(manifest), raw=False)
-    return checkpoint_from_wire(received, [bytearray(memoryview(p).cast("B")) for p in payloads])
+def through_a_memory_file(ckpt: CPUCheckpoint) -> CPUCheckpoint:
+    """Written as one segment into a memory file and read back, as export and restore move it."""
+    fd = memory_file("test")
+    try:
+        write_checkpoint_segment(fd, "s", ckpt.identity or "", ckpt)
+        return assemble_checkpoint([(fd, read_segment_header(fd, "the segment"), "the segment")])
+    finally:
+        os.close(fd)
 
 
 def assert_same(a: CPUCheckpoint, b: CPUCheckpoint) -> None:
@@ -129,16 +137,14 @@ def test_round_trip_is_byte_exact(dtype, windows, draft_windows, position, kv, d
         identity=identity,
         seed=seed,
     )
-    assert_same(ckpt, over_the_wire(ckpt))
+    assert_same(ckpt, through_a_memory_file(ckpt))
 
 
-def test_bfloat16_travels_as_uint16_bits_under_its_declared_name():
+def test_bfloat16_is_stored_as_uint16_bits_under_its_declared_name():
     ckpt = make_checkpoint(dtype="bfloat16")
-    manifest, payloads = checkpoint_to_wire(ckpt)
-    assert ckpt.layers[0].keys.dtype == np.uint16
-    assert manifest["format"]["dtype"] == "bfloat16"
-    assert manifest["layers"][0]["keys"]["dtype"] == "bfloat16"
-    assert manifest["token_ids"]["dtype"] == "int32"
+    out = through_a_memory_file(ckpt)
+    assert ckpt.layers[0].keys.dtype == np.uint16 and out.layers[0].keys.dtype == np.uint16
+    assert out.format["dtype"] == "bfloat16"
     assert numpy_storage_dtype("bfloat16") == np.dtype("<u2")
     assert numpy_storage_dtype("float16") == np.dtype("<f2")
     assert numpy_storage_dtype("float32") == np.dtype("<f4")
@@ -146,149 +152,28 @@ def test_bfloat16_travels_as_uint16_bits_under_its_declared_name():
         numpy_storage_dtype("bfloat8")
 
 
-def test_decode_is_zero_copy_and_encode_does_not_copy():
-    ckpt = make_checkpoint()
-    manifest, payloads = checkpoint_to_wire(ckpt)
-    assert payloads[0] is ckpt.token_ids
-    assert payloads[1] is ckpt.layers[0].keys
-    buffers = [bytearray(memoryview(p).cast("B")) for p in payloads]
-    out = checkpoint_from_wire(manifest, buffers)
-    assert np.shares_memory(out.layers[0].keys, np.frombuffer(buffers[1], np.uint8))
-    assert np.shares_memory(out.token_ids, np.frombuffer(buffers[0], np.uint8))
-
-
-def test_payload_refs_name_payloads_by_index_in_order():
-    ckpt = make_checkpoint(draft_windows=[3])
-    manifest, payloads = checkpoint_to_wire(ckpt)
-    refs = [manifest["token_ids"]]
-    for layer in manifest["layers"] + manifest["draft"]["layers"]:
-        refs += [layer["keys"], layer["values"]]
-    refs += list(manifest["draft"]["arrays"].values())
-    assert sorted(r["payload"] for r in refs) == list(range(len(payloads)))
-    for r in refs:
-        assert list(payloads[r["payload"]].shape) == r["shape"]
-
-
 def test_nbytes_counts_every_array():
     ckpt = make_checkpoint(draft_windows=[None])
-    _, payloads = checkpoint_to_wire(ckpt)
-    assert ckpt.nbytes == sum(p.nbytes for p in payloads)
+    layers = ckpt.layers + ckpt.draft["layers"]
+    expected = ckpt.token_ids.nbytes + ckpt.draft["pending_token_ids"].nbytes
+    expected += sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    assert ckpt.nbytes == expected
 
 
-def test_manifest_for_300000_tokens_stays_under_1_kib():
-    n, kv, d = 300_000, 3, 64
-    windows = [None, 4096, None, 4096]
-    layers = []
-    for w in windows:
-        start = 0 if w is None else n - w
-        layers.append(
-            LayerState(start, np.zeros((n - start, kv, d), np.uint16), np.zeros((n - start, kv, d), np.uint16))
-        )
-    ckpt = CPUCheckpoint(
-        format={"backend": "torch", "dtype": "bfloat16", "layout_version": 1},
-        geometry={"num_layers": 4, "num_kv_heads": kv, "head_dim": d, "windows": windows},
-        position=n,
-        token_ids=np.arange(n, dtype=np.int32),
-        layers=layers,
-        identity="f" * 64,
-    )
-    manifest, payloads = checkpoint_to_wire(ckpt)
-    assert len(msgpack.packb(manifest)) < 1024
-    out = checkpoint_from_wire(msgpack.unpackb(msgpack.packb(manifest)), payloads)
-    assert out.position == n and np.array_equal(out.token_ids, ckpt.token_ids)
+def test_truncated_keeps_what_each_layer_needs_and_the_draft_follows():
+    ckpt = make_checkpoint(position=10, windows=[None, 4], draft_windows=[None])
+    cut = ckpt.truncated(9)
+    assert cut.position == 9 and np.array_equal(cut.token_ids, ckpt.token_ids[:9])
+    assert cut.layers[0].start == 0 and cut.layers[0].rows == 9
+    assert cut.layers[1].start == 6 and cut.layers[1].rows == 3  # the rows the window-4 ring held
+    assert cut.draft_position == 7 and np.array_equal(cut.draft["pending_token_ids"], ckpt.token_ids[7:9])
+    assert_same(cut, through_a_memory_file(cut))
+    with pytest.raises(CheckpointRetentionError):
+        ckpt.truncated(8)  # the window-4 layer no longer holds position 5, which 8 needs
 
 
 # ---------------------------------------------------------------------------------------------
 # Malformed input
-
-
-def _set(path, value):
-    def mutate(m, payloads):
-        *parents, last = path
-        target = m
-        for key in parents:
-            target = target[key]
-        target[last] = value
-
-    return mutate
-
-
-def _delete(path):
-    def mutate(m, payloads):
-        *parents, last = path
-        target = m
-        for key in parents:
-            target = target[key]
-        del target[last]
-
-    return mutate
-
-
-def _payloads(fn):
-    def mutate(m, payloads):
-        payloads[:] = fn(payloads)
-
-    return mutate
-
-
-MALFORMED = {
-    "unrelated map": lambda m, p: m.clear() or m.update({"x": 1}),
-    "missing position": _delete(["position"]),
-    "extra field": _set(["surprise"], 1),
-    "manifest version": _set(["version"], 2),
-    "position is bool": _set(["position"], True),
-    "position zero": _set(["position"], 0),
-    "position beyond history": _set(["position"], 11),
-    "position is a string": _set(["position"], "10"),
-    "unknown kv dtype": _set(["format", "dtype"], "float64"),
-    "layout version": _set(["format", "layout_version"], 2),
-    "empty backend": _set(["format", "backend"], ""),
-    "format is a list": _set(["format"], []),
-    "num_layers mismatch": _set(["geometry", "num_layers"], 3),
-    "windows length": _set(["geometry", "windows"], [None]),
-    "window zero": _set(["geometry", "windows", 1], 0),
-    "kv heads mismatch": _set(["geometry", "num_kv_heads"], 4),
-    "head_dim zero": _set(["geometry", "head_dim"], 0),
-    "geometry extra is a map": _set(["geometry", "x"], {"y": 1}),
-    "negative start": _set(["layers", 0, "start"], -1),
-    "rows past position": _set(["layers", 1, "start"], 7),
-    "rows disagree with shape": _set(["layers", 1, "rows"], 3),
-    "layer dtype differs from format": _set(["layers", 0, "keys", "dtype"], "float16"),
-    "token ids as float": _set(["token_ids", "dtype"], "float32"),
-    "token ids shape": _set(["token_ids", "shape"], [9]),
-    "payload index out of range": _set(["layers", 0, "keys", "payload"], 99),
-    "payload index negative": _set(["layers", 0, "keys", "payload"], -1),
-    "payload reused": _set(["layers", 0, "values", "payload"], 1),
-    "shape wrong rank": _set(["layers", 0, "keys", "shape"], [10, 6]),
-    "shape not a list": _set(["layers", 0, "keys", "shape"], 60),
-    "shape negative": _set(["layers", 0, "keys", "shape"], [-10, 2, 3]),
-    "keys and values differ": _set(["layers", 0, "values", "shape"], [10, 3, 2]),
-    "ref lacks dtype": _delete(["layers", 0, "keys", "dtype"]),
-    "layers not a list": _set(["layers"], {"0": 1}),
-    "identity not a string": _set(["identity"], 7),
-    "draft not a map": _set(["draft"], [1]),
-    "unreferenced payload": _payloads(lambda p: p + [b"\0" * 8]),
-    "payload too short": _payloads(lambda p: [p[0][:-4]] + p[1:]),
-    "payload too long": _payloads(lambda p: [bytes(p[0]) + b"\0\0\0\0"] + p[1:]),
-    "payload not a buffer": _payloads(lambda p: [list(p[0])] + p[1:]),
-    "negative token id": _payloads(lambda p: [np.full(10, -1, np.int32).tobytes()] + p[1:]),
-}
-
-
-@pytest.mark.parametrize("name", sorted(MALFORMED))
-def test_malformed_manifests_are_rejected(name):
-    manifest, payloads = checkpoint_to_wire(make_checkpoint())
-    manifest = copy.deepcopy(manifest)
-    payloads = [bytes(memoryview(p).cast("B")) for p in payloads]
-    MALFORMED[name](manifest, payloads)
-    with pytest.raises(CheckpointMalformed):
-        checkpoint_from_wire(manifest, payloads)
-
-
-@pytest.mark.parametrize("manifest", [[], None, b"x", 7])
-def test_non_map_manifests_are_rejected(manifest):
-    with pytest.raises(CheckpointMalformed, match="must be a map"):
-        checkpoint_from_wire(manifest, [])
 
 
 @pytest.mark.parametrize(
@@ -296,10 +181,11 @@ def test_non_map_manifests_are_rejected(manifest):
     [
         lambda d: d["geometry"].update(num_layers=2),
         lambda d: d.pop("layers"),
-        lambda d: d.update(pending_token_ids=np.zeros(2, np.int64)),
-        lambda d: d.update(pending_features=np.zeros((2, 6), np.float16)),
+        lambda d: d.update(pending_token_ids=d["pending_token_ids"].astype(np.int64)),
+        lambda d: d.update(pending_token_ids=d["pending_token_ids"][1:]),
+        lambda d: d.update(pending_features=np.zeros((2, 6), np.float32)),
     ],
-    ids=["draft-layers-count", "draft-no-layers", "draft-int64-array", "draft-array-wrong-dtype"],
+    ids=["draft-layers-count", "draft-no-layers", "draft-int64-pending", "draft-pending-not-history", "draft-extra"],
 )
 def test_malformed_draft_is_rejected(mutate):
     ckpt = make_checkpoint(draft_windows=[None])
@@ -424,7 +310,7 @@ def test_short_history_needs_only_rows_from_zero():
 
 
 def test_draft_layers_must_retain_their_history_too():
-    ckpt = make_checkpoint(position=10, windows=[None], draft_windows=[3])
+    ckpt = make_checkpoint(position=10, windows=[None], draft_windows=[3], draft_lag=0)
     ckpt.validate_restore_position(10)
     ckpt.validate_restore_position(9)  # draft ring keeps [7, 10); p=9 needs [7, 9)
     with pytest.raises(CheckpointRetentionError, match="draft layer 0"):

@@ -179,9 +179,9 @@ def test_default_limits():
     assert limits.max_depth == 32
     assert limits.payload_limit("generate") == 64 * MiB
     assert limits.payload_limit(None) == 64 * MiB
-    assert limits.payload_limit("restore") == limits.payload_limit("checkpoint") == 16 * GiB
-    assert limits.payload_ceiling == 16 * GiB
-    assert limits.to_dict()["kind_payload_bytes"] == {"restore": 16 * GiB, "checkpoint": 16 * GiB}
+    assert limits.payload_limit("restore") == 64 * MiB  # no kind is special: checkpoints travel as files
+    assert limits.payload_ceiling == 64 * MiB
+    assert limits.to_dict()["kind_payload_bytes"] == {}
     msgpack.packb(limits.to_dict())  # fits in a hello
 
 

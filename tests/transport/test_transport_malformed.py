@@ -243,7 +243,7 @@ def test_kind_limit_is_checked_after_the_control_map_but_before_allocating():
 def test_default_ordinary_frame_limit_is_64_mib():
     allocations = Allocations()
     data = header(msgpack.packb({"kind": "generate"}), (32 * MiB, 32 * MiB + 1))
-    with pytest.raises(ProtocolError, match=f"over its limit of {64 * MiB}"):
+    with pytest.raises(ProtocolError, match=f"over the largest payload limit of {64 * MiB} bytes"):
         read_stream(data, allocate=allocations)
     assert allocations.sizes == []
 

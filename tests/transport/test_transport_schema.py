@@ -90,10 +90,6 @@ def _examples() -> dict[str, tuple[dict, list]]:
         },
         [],
     )
-    ex["export"] = ({"kind": "export", "id": 6, "session_id": "chat-1", "position": 10}, [])
-    p = []
-    manifest = {"format": 1, "rows": attach_payload(p, np.zeros((2, 4), np.float16))}
-    ex["restore"] = ({"kind": "restore", "id": 7, "session_id": "chat-1", "position": 2, "checkpoint": manifest}, p)
     ex["save_file"] = (
         {
             "kind": "save_file",
@@ -104,6 +100,7 @@ def _examples() -> dict[str, tuple[dict, list]]:
             "base": {"tag": "t1", "position": 40},
             "identity": "abc",
             "max_bytes": 1 << 30,
+            "position": 40,
         },
         [],
     )
@@ -121,7 +118,6 @@ def _examples() -> dict[str, tuple[dict, list]]:
                 {"name": "a.mxseg", "start": 0, "end": 40, "file_length": 9000, "header_crc": 7},
                 {"name": "b.mxseg", "start": 40, "end": 52, "file_length": 5000, "header_crc": 8},
             ],
-            "legacy": False,
         },
         [],
     )
@@ -147,8 +143,6 @@ def _examples() -> dict[str, tuple[dict, list]]:
     p = []
     ex["tokens"] = ({"kind": "tokens", "id": 3, "tokens": _tokens(p, 2, np.uint32), "text": "hi"}, p)
     ex["text"] = ({"kind": "text", "id": 4, "text": "hello"}, [])
-    p = []
-    ex["checkpoint"] = ({"kind": "checkpoint", "id": 6, "checkpoint": {"rows": attach_payload(p, np.zeros(4))}}, p)
     return ex
 
 
@@ -224,13 +218,11 @@ def test_message_kinds_are_the_documented_set():
         "tokenize",
         "detokenize",
         "chat_template",
-        "export",
-        "restore",
         "save_file",
         "restore_file",
         "info",
     }
-    assert worker == {"hello", "heartbeat", "ok", "token", "done", "error", "tokens", "text", "checkpoint"}
+    assert worker == {"hello", "heartbeat", "ok", "token", "done", "error", "tokens", "text"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -454,10 +446,11 @@ def test_chat_messages():
         chat([{"role": "user", "content": 5}])
 
 
-def test_export_position_may_be_nil():
-    validate({"kind": "export", "id": 1, "session_id": "s", "position": None}, sender="client")
-    with pytest.raises(InvalidArgument, match="field position must be int >= 0 or nil"):
-        validate({"kind": "export", "id": 1, "session_id": "s", "position": -1}, sender="client")
+def test_an_export_is_a_save_file_without_tag_or_base():
+    export = {"kind": "save_file", "id": 1, "session_id": "s", "fds": 1, "tag": None, "base": None}
+    validate({**export, "identity": "", "max_bytes": 1 << 30, "position": 3}, sender="client")
+    with pytest.raises(InvalidArgument, match="field position must be int >= 0"):
+        validate({**export, "identity": "", "max_bytes": 1 << 30, "position": -1}, sender="client")
 
 
 # --- handshake ------------------------------------------------------------------------------

@@ -2,6 +2,11 @@
 
 These tests speak the wire protocol directly with the transport's blocking reader and writer, so
 they cover what the trio client never sends: malformed frames, bad flags, signals.
+
+A worker that loads a model takes seconds to start, so those tests are in the slow tier, but for
+one smoke test of the protocol (requests answered, outputs in order); the engine behind it is
+tested in-process in tests/worker/engine. Start-up failures that come before the model loads stay
+in the fast tier.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from muxworker.transport.checkpoint.file import assemble_checkpoint
+from muxworker.transport.checkpoint.segments import read_segment_header
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
 from muxworker.transport.fdpass import FileChannelPair, send_files
 from muxworker.transport.framing import (
@@ -172,6 +179,7 @@ def _args(model: str, *extra: str) -> list[str]:
 # start-up
 
 
+@pytest.mark.slow
 def test_hello_describes_model_backend_and_limits(model, tmp_path):
     with RawWorker(_args(model, "--max_sessions", "3", "--seed", "7"), tmp_path) as w:
         hello = w.hello.control
@@ -249,7 +257,9 @@ def test_missing_protocol_fds_fail_with_the_expected_form(model):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--max_session_tokens", "8192"], "exceeds the model's context length (4096)"),
+        pytest.param(
+            ["--max_session_tokens", "8192"], "exceeds the model's context length (4096)", marks=pytest.mark.slow
+        ),
         (["--model", "/no/such/model"], "does not exist"),
     ],
 )
@@ -289,6 +299,7 @@ def test_requests_are_answered_and_outputs_stay_in_order(model, tmp_path):
         assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": 42})  # wrong type
@@ -322,6 +333,7 @@ def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model,
         assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_cancel_arriving_during_generation_ends_only_its_target(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         for rid, sid in ((1, "a"), (2, "b")):
@@ -345,6 +357,7 @@ def test_cancel_arriving_during_generation_ends_only_its_target(model, tmp_path)
         assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_close_settles_the_session_request_before_its_ok(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
@@ -362,6 +375,7 @@ def test_close_settles_the_session_request_before_its_ok(model, tmp_path):
         assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_tokenize_detokenize_chat_template_info(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         w.send({"kind": "tokenize", "id": 1, "text": "Hello world"})
@@ -385,32 +399,23 @@ def test_tokenize_detokenize_chat_template_info(model, tmp_path):
         assert w.wait() == EXIT_OK
 
 
-def test_export_restore_round_trip_over_the_wire(model, tmp_path):
+@pytest.mark.slow
+def test_a_worker_without_a_file_channel_refuses_checkpoint_files(model, tmp_path):
+    """Checkpoints travel only as files: with no channel, save_file is a clear error and the
+    worker goes on."""
     with RawWorker(_args(model), tmp_path) as w:
+        assert not w.hello.control.get("files")
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         w.send(*_generate(2, "a", list(range(3, 40)), max_new_tokens=4))
         w.collect(2)
-        w.send({"kind": "export", "id": 3, "session_id": "a"})
-        ckpt = w.collect(3)[3][1]
-        assert ckpt.control["kind"] == "checkpoint"
-        manifest = ckpt.control["checkpoint"]
-        assert manifest["position"] == 37 + 4 - 1  # the last sampled token has no KV yet
-        w.send(
-            {"kind": "restore", "id": 4, "session_id": "b", "position": manifest["position"], "checkpoint": manifest},
-            [bytes(p) for p in ckpt.payloads],
-        )
-        assert w.final(4)["kind"] == "ok"
-        w.send(
-            {"kind": "restore", "id": 5, "session_id": "b", "position": 1, "checkpoint": manifest},
-            [bytes(p) for p in ckpt.payloads],
-        )
-        assert w.final(5)["code"] == "session_exists"
-        broken = dict(manifest, position=manifest["position"] + 1)
-        w.send(
-            {"kind": "restore", "id": 6, "session_id": "c", "position": 1, "checkpoint": broken},
-            [bytes(p) for p in ckpt.payloads],
-        )
-        assert w.final(6)["code"] == "checkpoint_rejected"
+        export = {"kind": "save_file", "id": 3, "session_id": "a", "fds": 1, "tag": None, "base": None}
+        w.send({**export, "identity": "", "max_bytes": 1 << 40})
+        reply = w.final(3)
+        assert (reply["code"], "no file channel" in reply["message"]) == ("invalid_argument", True)
+        w.send({"kind": "export", "id": 4, "session_id": "a"})  # the pipe path is gone
+        assert w.final(4)["code"] == "invalid_argument"
+        w.send(*_generate(5, "a", list(range(3, 44)), max_new_tokens=1))
+        assert w.final(5)["kind"] == "done"
         w.close_control()
         assert w.wait() == EXIT_OK
 
@@ -428,7 +433,7 @@ class FileWorker(RawWorker):
         self.channel.close_worker_end()
         assert self.hello is not None and self.hello.control["files"]
 
-    def save_file(self, rid: int, sid: str, fd: int, tag: str = "t1") -> None:
+    def save_file(self, rid: int, sid: str, fd: int, tag: str | None = "t1", **extra) -> None:
         assert self.channel.client is not None
         send_files(self.channel.client, rid, [fd])
         self.send(
@@ -441,6 +446,7 @@ class FileWorker(RawWorker):
                 "base": None,
                 "identity": "test",
                 "max_bytes": 1 << 40,
+                **extra,
             }
         )
 
@@ -489,6 +495,7 @@ def _drain(fd: int) -> threading.Thread:
     return thread
 
 
+@pytest.mark.slow
 def test_a_save_in_flight_holds_up_only_its_own_session(model, tmp_path):
     with FileWorker(model, tmp_path) as w:
         for rid, sid in ((1, "a"), (2, "b")):
@@ -524,15 +531,19 @@ def test_a_save_in_flight_holds_up_only_its_own_session(model, tmp_path):
         w.restore_file(10, "r", path, saved, "a")
         assert w.final(10)["value"] == {"position": saved["position"]}
         exported = []
-        for rid, sid in ((11, "a"), (12, "r")):
-            w.send({"kind": "export", "id": rid, "session_id": sid})
-            frame = w.collect(rid)[rid][1]
-            exported.append([bytes(p) for p in frame.payloads])
+        for rid, sid in ((11, "a"), (12, "r")):  # an export: into a memory file, no tag
+            fd = os.memfd_create("export")
+            w.save_file(rid, sid, fd, tag=None)
+            assert w.final(rid)["value"]["position"] == saved["position"]
+            ckpt = assemble_checkpoint([(fd, read_segment_header(fd, "export"), "export")])
+            os.close(fd)
+            exported.append([ckpt.token_ids.tobytes()] + [x.keys.tobytes() + x.values.tobytes() for x in ckpt.layers])
         assert exported[0] == exported[1]
         w.close_control()
         assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_eof_waits_for_a_save_in_flight_and_answers_it(model, tmp_path):
     with FileWorker(model, tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
@@ -555,6 +566,7 @@ def test_eof_waits_for_a_save_in_flight_and_answers_it(model, tmp_path):
 # shutdown
 
 
+@pytest.mark.slow
 def test_eof_settles_every_request_and_exits_zero(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
@@ -568,6 +580,7 @@ def test_eof_settles_every_request_and_exits_zero(model, tmp_path):
         assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_sigterm_settles_every_request_and_exits_zero(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
@@ -582,6 +595,7 @@ def test_sigterm_settles_every_request_and_exits_zero(model, tmp_path):
         assert "SIGTERM" in w.stderr()
 
 
+@pytest.mark.slow
 def test_sigterm_while_idle_exits_zero(model, tmp_path):
     with RawWorker(_args(model), tmp_path) as w:
         w.proc.send_signal(signal.SIGTERM)
@@ -600,6 +614,7 @@ def _header(control_len: int, payload_lengths: tuple[int, ...] = (), magic: byte
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -667,6 +682,7 @@ def _greedy_run(args: list[str], tmp_path: Path) -> tuple[dict, list[int]]:
         return w.hello.control, payload_array(done, done.control["result"]["generated_token_ids"]).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [
@@ -755,6 +771,7 @@ def _wait_for_stderr(w: RawWorker, text: str) -> None:
     pytest.fail(f"the worker never logged {text!r}; stderr:\n{w.stderr()}")
 
 
+@pytest.mark.slow
 def test_readiness_is_in_the_hello_and_info_only_for_a_1_1_client(model, tmp_path):
     with RawWorker(_args(model, "--heartbeat_ms", "0"), tmp_path) as w:
         assert w.hello.control["readiness"] == "ready"
@@ -766,6 +783,7 @@ def test_readiness_is_in_the_hello_and_info_only_for_a_1_1_client(model, tmp_pat
         assert w.final(1)["value"]["readiness"] == "ready"  # a new entry of a map: allowed in 1.x
 
 
+@pytest.mark.slow
 def test_heartbeats_fill_a_long_forward_pass_and_only_when_asked(model, tmp_path):
     for ask, expect in ((["--heartbeat_ms", "50"], True), ([], False)):
         with RawWorker(_args(model, *ask), tmp_path, command=SLOW_STEPS) as w:
@@ -785,6 +803,7 @@ def test_heartbeats_fill_a_long_forward_pass_and_only_when_asked(model, tmp_path
             assert w.wait() == EXIT_OK
 
 
+@pytest.mark.slow
 def test_an_engine_loop_failure_settles_nothing_as_finished_and_refuses_queued_requests(tmp_path, model):
     with RawWorker(_args(model, "--heartbeat_ms", "0"), tmp_path, command=_failing_engine(queued=2)) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
@@ -825,6 +844,7 @@ def _vm_kib(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 def test_a_client_that_never_reads_replies_cannot_grow_the_worker_without_bound(model, tmp_path):
     ids = np.full(256 * 1024, 5, dtype=np.int32)  # 1 MiB of token ids; each reply is ~256 KB of text
@@ -878,6 +898,7 @@ def _write_all(fd: int, buffers: list) -> None:
             view = view[os.write(fd, view) :]
 
 
+@pytest.mark.slow
 def test_an_oversized_prompt_is_refused_from_its_header_while_other_streams_go_on(model, tmp_path):
     with RawWorker(["--model", model, "--max_session_tokens", "4096"], tmp_path) as w:
         before = _vm_kib(w.proc.pid, "VmHWM")

@@ -1,10 +1,12 @@
-"""Checkpoints, one home for both ends: the data model, its wire codec, the file format, identity.
+"""Checkpoints, one home for both ends: the data model, the file format, identity.
 
 - :mod:`.state`: :class:`CPUCheckpoint`, :class:`LayerState`, the retention rule
   (:func:`required_rows`), storage dtypes and the layout version. Used by the worker and the client.
-- :mod:`.codec`: :func:`checkpoint_to_wire` / :func:`checkpoint_from_wire` (manifest + payloads).
-- :mod:`.file`: :func:`save_checkpoint` / :func:`load_checkpoint`, the file layout of
-  docs/CHECKPOINT_FORMAT.md (the client's session store writes and reads through it).
+- :mod:`.container`: the checkpoint file container (header, manifest, CRC32C-checked payloads,
+  trailer; docs/CHECKPOINT_FORMAT.md) and memory files.
+- :mod:`.segments`: segments, the one file kind that holds KV rows (and a draft model's state);
+  :mod:`.manifest`: session manifests naming them; :mod:`.blocks`: content-addressed blocks.
+- :mod:`.file`: host checkpoints as segments, :func:`save_checkpoint` / :func:`load_checkpoint`.
 - :mod:`.identity`: :func:`checkpoint_identity` and the inputs it was computed from.
 - :mod:`.errors`: :class:`CheckpointMalformed` and :class:`CheckpointRetentionError` are the
   worker's wire error ``CheckpointRejected``; the file layer's errors derive from
@@ -23,24 +25,20 @@ from ..errors import (
     CheckpointUnsafePath,
     CheckpointWriteError,
 )
-from .codec import MANIFEST_VERSION, MAX_PAYLOADS, checkpoint_from_wire, checkpoint_to_wire
+from .container import DEFAULT_MAX_BYTES
 from .errors import CheckpointMalformed, CheckpointRetentionError
-from .file import DEFAULT_MAX_BYTES, load_checkpoint, save_checkpoint
+from .file import load_checkpoint, save_checkpoint
 from .identity import IdentityInputs, ModelFileFingerprint, checkpoint_identity, checkpoint_identity_inputs
 from .state import LAYOUT_VERSION, CPUCheckpoint, LayerState, numpy_storage_dtype, required_rows, retained_from
 
 __all__ = [
-    # data model and codec (as before the package split)
+    # data model
     "CheckpointError",
     "CheckpointMalformed",
     "CheckpointRetentionError",
     "CPUCheckpoint",
     "LayerState",
     "LAYOUT_VERSION",
-    "MANIFEST_VERSION",
-    "MAX_PAYLOADS",
-    "checkpoint_to_wire",
-    "checkpoint_from_wire",
     "numpy_storage_dtype",
     "required_rows",
     "retained_from",

@@ -40,7 +40,7 @@ import numpy as np
 
 from muxworker.native import crc32c
 
-from .segments import LayerRows, SegmentHeader, SegmentPlan, plan_segment
+from .segments import DraftRows, LayerRows, SegmentHeader, SegmentPlan, plan_segment
 from .state import numpy_storage_dtype
 
 __all__ = [
@@ -128,9 +128,12 @@ def split_segment(
     ``block_tokens`` positions where the segment starts on a block boundary (``parent_key``: the
     key of the block before it, None at position 0, where the chain starts from ``namespace``'s
     seed), up to :data:`MAX_BLOCKS`, then one tail piece for the rest (``session_id``'s own
-    segment). A segment that starts inside a block is one tail piece. Every piece's payloads are
+    segment). A segment that starts inside a block, or carries a draft model's state (the whole
+    draft, which belongs to no range of positions), is one tail piece. Every piece's payloads are
     views of ``memory``."""
     start, end = header.start, header.end
+    if header.draft is not None:
+        block_tokens = 0
     cuts = [start]
     limit = MAX_BLOCKS * block_tokens if block_tokens else 0
     if block_tokens and start % block_tokens == 0 and start < limit:
@@ -161,7 +164,8 @@ def split_segment(
             start=a,
             token_ids=tokens,
             layers=layers,
-            crcs=crcs,
+            draft=_draft_rows(memory, header) if b == end and header.draft is not None else None,
+            crcs=crcs + _draft_crcs(header) if b == end else crcs,
         )
         pieces.append(Piece(a, b, key if is_block else None, plan))
     return pieces
@@ -196,3 +200,25 @@ def _rows(
             parts.append(runs)
         layers.append(LayerRows(lo, n, parts[0], parts[1]))
     return tokens, layers, crcs
+
+
+def _draft_rows(memory: SegmentMemory, header: SegmentHeader) -> DraftRows:
+    """The segment's draft-model state, as views of ``memory``."""
+    draft = header.draft
+    assert draft is not None
+    layers = []
+    for i, (lo, rows) in enumerate(draft.layers):
+        parts = []
+        for part in (0, 1):
+            offset, length, _ = header.payloads[header.draft_payload_index(i, part)]
+            parts.append([memory.view[offset : offset + length]])
+        layers.append(LayerRows(lo, rows, parts[0], parts[1]))
+    return DraftRows(draft.geometry, draft.position, layers)
+
+
+def _draft_crcs(header: SegmentHeader) -> list[int]:
+    """The CRC32Cs of the segment's draft payloads (none without a draft)."""
+    if header.draft is None:
+        return []
+    first = header.draft_payload_index(0, 0)
+    return [crc for _, _, crc in header.payloads[first:]]

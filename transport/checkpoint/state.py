@@ -6,9 +6,9 @@ the token history plus, per attention layer, the retained KV rows ``[n, KV, D]``
 The retention rule (:func:`required_rows`) is the one the worker's caches answer to as well.
 Only numpy here: no torch, no device state.
 
-The draft model's state stays a dict (``{"geometry", "layers", <array name>: ndarray}``): the
-worker's speculative decoder builds and reads it by key, and its extra arrays travel under their
-names, so a typed class would change what the engine exchanges with this module.
+The draft model's state stays a dict (``{"geometry", "layers", "pending_token_ids"}``): the worker's
+speculative decoder builds it by key. ``pending_token_ids`` are the committed tokens after the
+draft's rows (derived: segments store only the rows and where they end).
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ _MAX_LAYERS = 4096
 _MAX_DIM = 1 << 20  # bound on KV heads, head_dim and window sizes
 _MAX_POSITION = (1 << 31) - 1
 _MAX_STR = 256
-_DRAFT_RESERVED = ("geometry", "layers")  # the draft dict's fixed keys; every other key is an array
+_DRAFT_KEYS = {"geometry", "layers", "pending_token_ids"}
+
+
+def same_layout(a: dict, b: dict) -> bool:
+    """Whether rows of format ``a`` can be used where format ``b`` is expected: the same dtype and
+    layout version. The backend is not compared: rows are logical, so torch and MLX read each other's."""
+    return a.get("dtype") == b.get("dtype") and a.get("layout_version") == b.get("layout_version")
 
 
 def numpy_storage_dtype(name: str) -> np.dtype:
@@ -98,9 +104,9 @@ class CPUCheckpoint:
     ``format``: ``{"backend": str, "dtype": "float32"|"bfloat16"|"float16", "layout_version": 1}``.
     ``geometry``: ``{"num_layers": L, "num_kv_heads": KV, "head_dim": D, "windows": [None|W] * L}``.
     ``position``: the committed boundary captured, ``== len(token_ids)``.
-    ``draft``: ``None`` or ``{"geometry": {...}, "layers": [LayerState], <name>: np.ndarray, ...}``;
-    the extra arrays (e.g. ``pending_token_ids``) travel as payloads under their names. The draft's
-    layers may end before ``position`` (:attr:`draft_position`): a draft continues from there.
+    ``draft``: ``None`` or ``{"geometry": {...}, "layers": [LayerState], "pending_token_ids": int32}``.
+    The draft's layers may end before ``position`` (:attr:`draft_position`): a draft continues from
+    there, and ``pending_token_ids`` are ``token_ids[draft_position:]``.
     ``identity``: the model/configuration identity it was exported under, if the caller gave one.
 
     Construction validates internal consistency (:meth:`validate`); restoring at a position also
@@ -146,7 +152,7 @@ class CPUCheckpoint:
         storage = numpy_storage_dtype(self.format["dtype"])
         _check_layers(self.layers, self.geometry, storage, position, "layers")
         if self.draft is not None:
-            _check_draft(self.draft, self.format["dtype"], position)
+            _check_draft(self.draft, self.format["dtype"], tok)
         if self.identity is not None and not (isinstance(self.identity, str) and 0 < len(self.identity) <= _MAX_STR):
             raise CheckpointMalformed(f"identity must be None or a nonempty string of at most {_MAX_STR} characters")
 
@@ -200,6 +206,40 @@ class CPUCheckpoint:
                         f"{layer.start + layer.rows}); choose another checkpoint or a fresh prefill"
                     )
 
+    def truncated(self, position: int) -> CPUCheckpoint:
+        """This checkpoint cut back to ``position`` (views, no copy), after
+        :meth:`validate_restore_position`. The draft keeps what it holds up to there."""
+        self.validate_restore_position(position)
+        if position == self.position:
+            return self
+        draft = None
+        if self.draft is not None:
+            at = min(position, self.draft_position or 0)
+            draft = {
+                "geometry": self.draft["geometry"],
+                "layers": _cut_layers(self.draft["layers"], self.draft["geometry"], at),
+                "pending_token_ids": self.token_ids[at:position].copy(),
+            }
+        return CPUCheckpoint(
+            format=self.format,
+            geometry=self.geometry,
+            position=position,
+            token_ids=self.token_ids[:position].copy(),
+            layers=_cut_layers(self.layers, self.geometry, position),
+            draft=draft,
+            identity=self.identity,
+        )
+
+
+def _cut_layers(layers: list[LayerState], geometry: dict, position: int) -> list[LayerState]:
+    """Each layer's rows up to ``position``, from where its window needs them (at most what it holds)."""
+    out = []
+    for window, layer in zip(geometry["windows"], layers):
+        lo = min(max(layer.start, retained_from(window, position)), position)
+        a, b = lo - layer.start, position - layer.start
+        out.append(LayerState(lo, layer.keys[a:b], layer.values[a:b]))
+    return out
+
 
 # ----------------------------------------------------------------------------------------------
 # Validation helpers
@@ -214,9 +254,7 @@ def _arrays_of(ckpt: CPUCheckpoint):
         for layer in ckpt.draft["layers"]:
             yield layer.keys
             yield layer.values
-        for name, value in ckpt.draft.items():
-            if name not in _DRAFT_RESERVED:
-                yield value
+        yield ckpt.draft["pending_token_ids"]
 
 
 def _describe(x: Any) -> str:
@@ -326,30 +364,17 @@ def _check_layers(layers: Any, geometry: dict, storage: np.dtype, position: int,
             )
 
 
-def _payload_dtype_name(array: Any, kv_dtype: str) -> str:
-    """Declared dtype of a draft array: int32, or the checkpoint's KV dtype (e.g. pending features)."""
-    if isinstance(array, np.ndarray):
-        if array.dtype == _PAYLOAD_DTYPES["int32"]:
-            return "int32"
-        if array.dtype == _STORAGE_DTYPES[kv_dtype]:
-            return kv_dtype
-    raise CheckpointMalformed(
-        f"draft arrays must be int32 or {kv_dtype} (the KV dtype) numpy arrays, got {_describe(array)}"
-    )
-
-
-def _check_draft(draft: Any, kv_dtype: str, position: int) -> None:
+def _check_draft(draft: Any, kv_dtype: str, token_ids: np.ndarray) -> None:
     d = _expect_map(draft, "draft")
-    missing = set(_DRAFT_RESERVED) - d.keys()
-    if missing:
-        raise CheckpointMalformed(f"draft lacks {sorted(missing)}")
+    if d.keys() != _DRAFT_KEYS:
+        raise CheckpointMalformed(f"draft must have exactly the fields {sorted(_DRAFT_KEYS)}, got {sorted(d)}")
     _check_geometry(d["geometry"], "draft.geometry")
+    position = int(token_ids.shape[0])
     _check_layers(d["layers"], d["geometry"], _STORAGE_DTYPES[kv_dtype], position, "draft.layers")
-    for name, value in d.items():
-        if name in _DRAFT_RESERVED:
-            continue
-        if not isinstance(name, str) or len(name) > _MAX_STR:
-            raise CheckpointMalformed(f"draft has an invalid field name {name!r}")
-        _payload_dtype_name(value, kv_dtype)
-        if not value.flags.c_contiguous or not 1 <= value.ndim <= 4:
-            raise CheckpointMalformed(f"draft[{name!r}] must be a C-contiguous array of 1 to 4 dims")
+    at = max((layer.start + layer.rows for layer in d["layers"]), default=0)
+    pending = d["pending_token_ids"]
+    if not isinstance(pending, np.ndarray) or pending.dtype != np.int32 or not np.array_equal(pending, token_ids[at:]):
+        raise CheckpointMalformed(
+            f"draft pending_token_ids must be the committed tokens [{at}, {position}) after the draft's rows "
+            f"(int32), got {_describe(pending)}"
+        )

@@ -36,18 +36,22 @@ from muxworker.native import all_finite
 from muxworker.transport.checkpoint import CheckpointRetentionError, LayerState, numpy_storage_dtype, retained_from
 from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.segments import (
+    DraftRows,
     LayerRows,
     SegmentHeader,
     SegmentRef,
     byte_view,
     check_payload,
     head_major_bytes,
+    host_layer_rows,
     layer_import_range,
+    read_draft_layers,
     read_payload,
     read_payload_into,
     read_segment_header,
     write_segment,
 )
+from muxworker.transport.checkpoint.state import required_rows, same_layout
 from muxworker.transport.errors import (
     CheckpointCorrupt,
     CheckpointIncompatible,
@@ -92,7 +96,7 @@ class SaveJob:
 
     session: Session
     fd: int
-    tag: str
+    tag: str | None  # None: not a store's save (an export), so no durable base is recorded
     session_id: str
     identity: str
     format: dict[str, Any]
@@ -102,6 +106,7 @@ class SaveJob:
     token_ids: np.ndarray  # int32, positions [start, position)
     layers: list[LayerRows]
     payload_bytes: int
+    draft: DraftRows | None = None  # a draft model's state (all of it, host copies)
     file_length: int = 0  # set by write()
     header_crc: int = 0
 
@@ -121,6 +126,7 @@ class SaveJob:
                 start=self.start,
                 token_ids=self.token_ids,
                 layers=self.layers,
+                draft=self.draft,
                 pace=pace,
             )
         except OSError as e:
@@ -148,17 +154,20 @@ def plan_save(
     s: Session,
     fd: int,
     *,
-    tag: str,
+    tag: str | None,
     base: SaveBase | None,
     session_id: str,
     identity: str,
     max_bytes: int,
+    position: int,
 ) -> SaveJob:
-    """The session's rows since its durable base (all of them without one), to be written into
-    ``fd`` by :meth:`SaveJob.write`. Engine thread; copies nothing on a backend with direct KV I/O."""
+    """The session's rows up to ``position`` since its durable base (all of them without one), to
+    be written into ``fd`` by :meth:`SaveJob.write`. Engine thread; copies nothing of the target's
+    rows on a backend with direct KV I/O (a draft model's rows, a few percent, are copied)."""
     executor = engine.executor
-    position = s.kv_len
     start = 0
+    if position != s.kv_len and base is not None:
+        raise InvalidArgument("a save at an earlier position than the session's is a whole one (no base)")
     if base is not None and s.durable is not None and s.durable[0] == base.tag and base.position <= s.durable[1]:
         # The store's save base.tag holds rows [0, s.durable[1]) of this slot, so [0, base.position) too.
         start = base.position
@@ -183,6 +192,12 @@ def plan_save(
     )
     if start == position:
         return job
+    draft_bytes = 0
+    if engine.draft_model is not None:
+        draft = engine.draft_model.export_state(s, position)
+        at = max(layer.start + layer.rows for layer in draft["layers"])
+        job.draft = DraftRows(draft["geometry"], at, host_layer_rows(draft["layers"]))
+        draft_bytes = sum(layer.nbytes for layer in draft["layers"])
     storage = numpy_storage_dtype(executor.dtype_name)
     held: list[int] = []  # per layer, the first position the session holds (a full save's start)
     if executor.direct_kv_io:
@@ -201,12 +216,14 @@ def plan_save(
             )
     # The bound is on the saved session, all of its segments: what a full save would write.
     row_bytes = 2 * geometry["num_kv_heads"] * geometry["head_dim"] * storage.itemsize
-    whole = 4 * position + sum((position - lo) * row_bytes for lo in held)
+    whole = 4 * position + sum((position - lo) * row_bytes for lo in held) + draft_bytes
     if whole > max_bytes:
         raise CheckpointTooLarge(
             f"session {session_id!r} holds {whole} payload bytes, over the store's limit of {max_bytes}"
         )
-    job.payload_bytes = job.token_ids.nbytes + sum(sum(v.nbytes for v in layer.keys) * 2 for layer in job.layers)
+    job.payload_bytes = (
+        job.token_ids.nbytes + sum(sum(v.nbytes for v in layer.keys) * 2 for layer in job.layers) + draft_bytes
+    )
     return job
 
 
@@ -217,7 +234,7 @@ class RestoreJob:
 
     sid: str
     slot: int
-    tag: str
+    tag: str | None  # the store's save the segments are (None: a host checkpoint, no durable base)
     executor: Executor
     fds: Sequence[int]
     refs: Sequence[SegmentRef]
@@ -227,11 +244,14 @@ class RestoreJob:
     format: dict[str, Any]
     geometry: dict[str, Any]
     vocab_size: int
+    draft_geometry: dict[str, Any] | None = None  # the worker's draft model's, None without one
     # Set by read():
     tokens: list[int] = field(default_factory=list)
     position: int = 0
     floor: int = 0
     staged: list[LayerState] | None = None  # host rows for import_layers (no direct KV I/O)
+    draft_layers: list[LayerState] | None = None  # the draft model's host rows, up to draft_position
+    draft_position: int = 0
 
     def read(self, pace: Callable[[], None] = _unpaced) -> None:
         """Read and check everything (the I/O thread): each segment against its manifest entry,
@@ -249,8 +269,14 @@ class RestoreJob:
                 raise CheckpointCorrupt(f"{name} holds session {h.session_id!r}")
             if h.identity != self.identity:
                 raise CheckpointIncompatible(f"{name} was saved under another model/configuration identity")
-            if h.format != fmt:
-                raise CheckpointRejected(f"{name} has format {h.format}; this worker runs {fmt}")
+            if h.format["layout_version"] != fmt["layout_version"]:
+                raise CheckpointRejected(
+                    f"checkpoint layout version {h.format['layout_version']} is not {fmt['layout_version']} ({name})"
+                )
+            if not same_layout(h.format, fmt):
+                raise CheckpointRejected(
+                    f"checkpoint dtype {h.format['dtype']} does not match the worker's {fmt['dtype']} ({name})"
+                )
             if h.geometry != geometry:
                 raise CheckpointRejected(f"{name} has geometry {h.geometry}, not the model's {geometry}")
         position = headers[-1].end
@@ -316,6 +342,45 @@ class RestoreJob:
             raise
         self.tokens, self.position, self.floor = tokens.tolist(), position, floor
         self.staged = None if executor.direct_kv_io else staged
+        try:
+            self._read_draft(fds[-1], headers[-1], names[-1], storage, bf16)
+        except BaseException:
+            if executor.direct_kv_io:
+                executor.kv_zero_slot(slot)
+            raise
+
+    def _read_draft(self, fd: int, header: SegmentHeader, name: str, storage: np.dtype, bf16: bool) -> None:
+        """The draft model's rows from the last segment, checked like the target's (host copies)."""
+        state = header.draft
+        if self.draft_geometry is None:
+            if state is not None:
+                raise CheckpointRejected(
+                    f"{name} carries draft-model state but this worker runs no draft model; "
+                    "restore it into a worker started with the same --draft"
+                )
+            return
+        if state is None:
+            raise CheckpointRejected(
+                f"this worker runs a draft model but the checkpoint has no draft state ({name} was saved "
+                "without one); restore it into a worker without --draft"
+            )
+        if state.geometry != self.draft_geometry:
+            raise CheckpointRejected(
+                f"{name}: draft geometry {state.geometry} does not match the draft model's {self.draft_geometry}"
+            )
+        for i, (window, (lo, _)) in enumerate(zip(state.geometry["windows"], state.layers)):
+            need = required_rows(window, state.position)[0]
+            if lo > need:
+                raise CheckpointRetentionError(
+                    f"draft layer {i} (window {window}) needs positions [{need}, {state.position}) but the "
+                    f"segment holds only [{lo}, {state.position})"
+                )
+        layers = read_draft_layers(fd, header, name)
+        for layer in layers:
+            for rows in (layer.keys, layer.values):
+                if not all_finite(rows.reshape(-1), bfloat16=bf16):
+                    raise CheckpointRejected("checkpoint draft layers hold NaN or infinite values")
+        self.draft_layers, self.draft_position = layers, state.position
 
     def import_staged(self) -> int:
         """Engine thread, after :meth:`read`: write the staged host rows into the slot (a backend

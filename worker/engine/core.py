@@ -51,16 +51,17 @@ Speculative decoding (a draft executor and ``config.n_draft`` > 0; docs/SPECULAT
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from muxworker.native import all_finite
-from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint, LayerState
-from muxworker.transport.checkpoint.segments import SegmentRef
+from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint
+from muxworker.transport.checkpoint.container import memory_file
+from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
+from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -90,17 +91,6 @@ from muxworker.worker.models.tokenizer import IncrementalDetokenizer
 __all__ = ["Engine", "EngineOutput", "Readiness", "Prompt"]
 
 Prompt = str | Sequence[int] | Sequence[str | Sequence[int]]
-
-
-def _check_finite(what: str, layers: Sequence[LayerState], dtype: str) -> None:
-    """Refuse a checkpoint whose KV rows hold NaN or inf. CRCs catch corruption, not a file written
-    that way on purpose; such rows would turn the session's logits into NaN, and a restored slot
-    later serves other sessions (prefix-cache entries), so they never enter the cache."""
-    bf16 = dtype == "bfloat16"
-    for i, layer in enumerate(layers):
-        for name, rows in (("keys", layer.keys), ("values", layer.values)):
-            if not all_finite(np.ascontiguousarray(rows), bfloat16=bf16):
-                raise CheckpointRejected(f"checkpoint {what} {i} {name} hold NaN or infinite values")
 
 
 class Engine:
@@ -174,6 +164,11 @@ class Engine:
     def draft(self) -> Executor | None:
         """The draft model's executor (speculative decoding), if any."""
         return self._draft_model.executor if self._draft_model is not None else None
+
+    @property
+    def draft_model(self) -> DraftProposer | None:
+        """The draft model (its executor and state), if the engine runs one; n-gram lookup has none."""
+        return self._draft_model
 
     @property
     def draft_name(self) -> str:
@@ -618,10 +613,72 @@ class Engine:
             raise Unsaveable(f"session {s.sid!r} cannot be saved: empty")
 
     def export_checkpoint(self, sid: str, position: int | None = None) -> CPUCheckpoint:
-        """An independent host copy of a session's committed state at ``position``.
+        """An independent host copy of a session's committed state at ``position`` (default: the
+        committed boundary, every token whose KV the cache holds), draft-model state included.
 
-        The default position is the committed boundary: every token whose KV the cache holds.
+        The same path as a save: the rows are written as one segment into a memory file and read
+        back with every check a restore makes (checkpoint_files.py), on this thread.
         """
+        fd = memory_file("export")
+        try:
+            job = self.begin_save(sid, fd, tag=None, base=None, identity="", max_bytes=1 << 62, position=position)
+            error = None
+            try:
+                job.write()
+            except BaseException as e:
+                error = e
+            reply = self.finish_save(job, error)
+            name = f"the export of session {sid!r}"
+            ref = SegmentRef("export", 0, reply["position"], reply["file_length"], reply["header_crc"])
+            return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])
+        finally:
+            os.close(fd)
+
+    def restore_checkpoint(self, sid: str, checkpoint: CPUCheckpoint, position: int | None = None) -> None:
+        """Publish a new session ``sid`` continuing from ``position`` of ``checkpoint`` (default:
+        all of it). Everything is validated before the session exists; a rejected restore leaves
+        ``sid`` unused. The same path as a restore from the store: the checkpoint is written as
+        one segment into a memory file and read into a free slot with every check, on this thread.
+        """
+        if not isinstance(checkpoint, CPUCheckpoint):
+            raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
+        if position is not None:
+            checkpoint = checkpoint.truncated(position)
+        fd = memory_file("restore")
+        try:
+            identity = checkpoint.identity or ""
+            written = write_checkpoint_segment(fd, sid, identity, checkpoint)
+            ref = SegmentRef("checkpoint", 0, written["position"], written["file_length"], written["header_crc"])
+            job = self.begin_restore(sid, [fd], [ref], tag=None, identity=identity, max_bytes=1 << 62)
+            error = None
+            try:
+                job.read()
+            except BaseException as e:
+                error = e
+            self.finish_restore(job, error)
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- checkpoint files
+
+    def begin_save(
+        self,
+        sid: str,
+        fd: int,
+        *,
+        tag: str | None,
+        base: checkpoint_files.SaveBase | None,
+        identity: str,
+        max_bytes: int,
+        position: int | None = None,
+    ) -> checkpoint_files.SaveJob:
+        """Plan writing session ``sid`` at ``position`` (default: its committed boundary) as one
+        segment into the open, empty file ``fd`` (checkpoint_files.py): only the rows after
+        ``base.position`` when the session's slot still holds what the store's save ``base.tag``
+        does up to there, else all of them; a draft model's state goes with them. The session is
+        busy from here (SessionBusy) until :meth:`finish_save`; the caller runs ``job.write()`` on
+        another thread, which reads the rows straight from the slot. ``tag`` None: not a store's
+        save (an export), which records no durable base."""
         s = self._idle_session(sid)
         self._check_saveable(s)
         if position is None:
@@ -633,101 +690,8 @@ class Engine:
                 f"session {sid!r} no longer retains the history position {position} needs "
                 f"(earliest is {self.cache.earliest_position(s.kv_len, s.kv_floor)})"
             )
-        layers = self.executor.export_layers(s.slot, s.kv_len, position, s.kv_floor)
-        return CPUCheckpoint(
-            format=self.executor_format(),
-            geometry=self.geometry(),
-            position=position,
-            token_ids=np.asarray(s.tokens[:position], dtype=np.int32),
-            layers=layers,
-            draft=None if self._draft_model is None else self._draft_model.export_state(s, position),
-        )
-
-    def restore_checkpoint(self, sid: str, checkpoint: CPUCheckpoint, position: int | None = None) -> None:
-        """Publish a new session ``sid`` continuing from ``position`` of ``checkpoint``.
-
-        Everything is validated before the session exists; a rejected restore leaves ``sid`` unused.
-        """
-        self._check_ready()
-        self._check_session_id(sid)
-        if sid in self._sessions:
-            raise SessionExists(f"session {sid!r} is already open; restore needs an unused session id")
-        self._check_not_restoring(sid)
-        if position is None:
-            position = checkpoint.position
-        fmt = checkpoint.format
-        ours = self.executor_format()
-        if fmt.get("layout_version") != ours["layout_version"]:
-            raise CheckpointRejected(
-                f"checkpoint layout version {fmt.get('layout_version')} is not {ours['layout_version']}"
-            )
-        if fmt.get("dtype") != ours["dtype"]:
-            raise CheckpointRejected(f"checkpoint dtype {fmt.get('dtype')} does not match the worker's {ours['dtype']}")
-        if checkpoint.geometry != self.geometry():
-            raise CheckpointRejected(
-                f"checkpoint geometry {checkpoint.geometry} does not match the model's {self.geometry()}"
-            )
-        if self._draft_model is None:
-            if checkpoint.draft is not None:
-                raise CheckpointRejected(
-                    "the checkpoint carries draft-model state but this worker runs no draft model; "
-                    "restore it into a worker started with the same --draft"
-                )
-            draft_position = 0
-        else:
-            draft_position = self._draft_model.check_state(checkpoint)
-        checkpoint.validate_restore_position(position)
-        if position >= self.config.max_session_tokens:
-            raise ContextOverflow(
-                f"restore position {position} leaves no room in max_session_tokens ({self.config.max_session_tokens})"
-            )
-        ids = checkpoint.token_ids[:position]
-        if ids.size and (int(ids.max()) >= self.vocab_size):
-            raise CheckpointRejected(f"checkpoint token ids exceed the vocabulary ({self.vocab_size})")
-        draft_len = min(position, draft_position)
-        _check_finite("layer", checkpoint.layers, self.executor.dtype_name)
-        draft = self.draft
-        if draft is not None and draft_len:
-            assert checkpoint.draft is not None
-            _check_finite("draft layer", checkpoint.draft["layers"], draft.dtype_name)
-        if not self._free_slots:
-            raise CapacityExhausted(f"all {self.config.max_sessions} session slots are in use (max_sessions)")
-        slot = self._free_slots[-1]
-        floor = self.executor.import_layers(slot, position, checkpoint.layers)
-        draft_floor = 0
-        if draft is not None and draft_len:
-            assert checkpoint.draft is not None
-            draft_floor = draft.import_layers(slot, draft_len, checkpoint.draft["layers"])
-        self._free_slots.pop()
-        self._sessions[sid] = Session(
-            sid,
-            slot,
-            ids.tolist(),
-            position,
-            None,
-            None,
-            draft_len,
-            kv_floor=floor,
-            draft_floor=draft_floor,
-            salt_known=False,
-        )
-
-    # ----------------------------------------------------------------- checkpoint files
-
-    def begin_save(
-        self, sid: str, fd: int, *, tag: str, base: checkpoint_files.SaveBase | None, identity: str, max_bytes: int
-    ) -> checkpoint_files.SaveJob:
-        """Plan writing session ``sid`` at its committed boundary as one segment into the open,
-        empty file ``fd`` (checkpoint_files.py): only the rows after ``base.position`` when the
-        session's slot still holds what the store's save ``base.tag`` does up to there, else all of
-        them. The session is busy from here (SessionBusy) until :meth:`finish_save`; the caller runs
-        ``job.write()`` on another thread, which reads the rows straight from the slot."""
-        s = self._idle_session(sid)
-        self._check_saveable(s)
-        if self._draft_model is not None:
-            raise Unsaveable(f"session {sid!r} runs with a draft model, whose state is saved through export_checkpoint")
         job = checkpoint_files.plan_save(
-            self, s, fd, tag=tag, base=base, session_id=sid, identity=identity, max_bytes=max_bytes
+            self, s, fd, tag=tag, base=base, session_id=sid, identity=identity, max_bytes=max_bytes, position=position
         )
         s.saving = True
         return job
@@ -740,7 +704,8 @@ class Engine:
         s.saving = False
         if error is not None:
             raise error
-        s.durable = (job.tag, job.position)
+        if job.tag is not None:
+            s.durable = (job.tag, job.position)
         return job.reply()
 
     def begin_restore(
@@ -749,7 +714,7 @@ class Engine:
         fds: Sequence[int],
         refs: Sequence[SegmentRef],
         *,
-        tag: str,
+        tag: str | None,
         identity: str,
         max_bytes: int,
         saved_id: str | None = None,
@@ -763,8 +728,6 @@ class Engine:
         if sid in self._sessions:
             raise SessionExists(f"session {sid!r} is already open; restore needs an unused session id")
         self._check_not_restoring(sid)
-        if self._draft_model is not None:
-            raise CheckpointRejected("this worker runs a draft model: restore its sessions with restore_checkpoint")
         if refs and refs[-1].end >= self.config.max_session_tokens:
             raise ContextOverflow(
                 f"restore position {refs[-1].end} leaves no room in max_session_tokens ({self.config.max_session_tokens})"
@@ -784,6 +747,7 @@ class Engine:
             format=self.executor_format(),
             geometry=self.geometry(),
             vocab_size=self.vocab_size,
+            draft_geometry=self.draft_geometry(),
         )
         self._restoring.add(sid)
         return job
@@ -796,6 +760,11 @@ class Engine:
             if error is not None:
                 raise error
             floor = job.import_staged()
+            draft_floor = 0
+            draft_len = job.draft_position
+            if job.draft_layers is not None and draft_len:
+                assert self.draft is not None
+                draft_floor = self.draft.import_layers(job.slot, draft_len, job.draft_layers)
         except BaseException:
             self._free_slots.append(job.slot)
             raise
@@ -805,8 +774,10 @@ class Engine:
             job.tokens,
             job.position,
             unsaveable=None,
+            draft_len=draft_len,
             kv_floor=floor,
-            durable=(job.tag, job.position),
+            draft_floor=draft_floor,
+            durable=None if job.tag is None else (job.tag, job.position),
             salt_known=False,
         )
         return job.position

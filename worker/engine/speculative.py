@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from muxworker.transport.checkpoint import CPUCheckpoint, LayerState, numpy_storage_dtype
-from muxworker.transport.errors import CheckpointRejected, InternalError, InvalidArgument, MuxError
+from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
+from muxworker.transport.errors import InternalError, InvalidArgument, MuxError
 from muxworker.worker.backends.interface import Executor, SeqSpan, geometry
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import sample_draft
@@ -228,30 +228,3 @@ class DraftProposer:
             "layers": layers,
             "pending_token_ids": np.asarray(s.tokens[at:position], dtype=np.int32),
         }
-
-    def check_state(self, checkpoint: CPUCheckpoint) -> int:
-        """Check a checkpoint's draft state against this draft; return the draft's position."""
-        if checkpoint.draft is None:
-            raise CheckpointRejected(
-                "this worker runs a draft model but the checkpoint has no draft state (it was made without one); "
-                "restore it into a worker without --draft"
-            )
-        d = checkpoint.draft
-        if d["geometry"] != self.geometry:
-            raise CheckpointRejected(
-                f"checkpoint draft geometry {d['geometry']} does not match the draft model's {self.geometry}"
-            )
-        extra = sorted(set(d) - {"geometry", "layers", "pending_token_ids"})
-        if extra:
-            raise CheckpointRejected(f"checkpoint draft state has fields this worker does not know: {extra}")
-        pending = d.get("pending_token_ids")
-        if pending is None or pending.dtype != np.int32 or pending.ndim != 1:
-            raise CheckpointRejected("checkpoint draft state lacks pending_token_ids (int32 [n])")
-        at = checkpoint.draft_position
-        assert at is not None
-        if at + pending.shape[0] != checkpoint.position or not np.array_equal(pending, checkpoint.token_ids[at:]):
-            raise CheckpointRejected(
-                f"checkpoint pending_token_ids ({pending.shape[0]} tokens) are not the committed tokens "
-                f"[{at}, {checkpoint.position}) after the draft's rows"
-            )
-        return at

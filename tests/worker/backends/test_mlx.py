@@ -411,7 +411,7 @@ def test_restore_rejects_dtype_and_geometry_mismatch_across_backends(tiny_model_
     # The restore path checks every layer's rows, whatever backend wrote them.
     bad = CPUCheckpoint(bf16.format, bf16.geometry, bf16.position, bf16.token_ids, bf16.layers)
     bad.format = {**bad.format, "layout_version": 2}
-    with pytest.raises(CheckpointRejected, match="layout version"):
+    with pytest.raises(CheckpointRejected, match="layout_version 2 is not supported"):
         make(mistral, "mlx", dtype="bfloat16").restore_checkpoint("r", bad)
 
 
@@ -445,23 +445,33 @@ def test_torch_backend_never_imports_mlx(tiny_llama_dir):
     assert out.returncode == 0, out.stderr
 
 
-async def test_worker_subprocess_serves_mlx_and_takes_torch_checkpoints(tiny_mistral_dir):
-    """Real workers over real pipes: a torch session's checkpoint continues on an MLX worker."""
+async def test_worker_subprocess_serves_mlx_and_takes_torch_checkpoints(tiny_mistral_dir, tmp_path):
+    """Real workers over real pipes: a torch session's checkpoint continues on an MLX worker, as a
+    host checkpoint and through one session store (whose identity leaves the backend out), and a
+    save the MLX worker appends to the torch worker's segments resumes on torch again."""
     import trio
 
-    from muxworker.client import GenerationParams, default_worker_command, spawn_multiplexed_worker
+    from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker
+    from muxworker.worker.models import worker_configuration
 
     def params(sid):
         return GenerationParams(session_id=sid, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
 
+    store = await SessionStore.create(
+        tmp_path / "store",
+        model_files=[tiny_mistral_dir / "model.safetensors"],
+        configuration=worker_configuration(backend=None, dtype="float32", model_dir=tiny_mistral_dir),
+    )
     prompt = prompt_ids(30, 16)
     with trio.fail_after(120):  # a hang guard, not a timing assertion
         async with (
             spawn_multiplexed_worker(
-                default_worker_command(tiny_mistral_dir, backend="torch", dtype="float32", max_session_tokens=256)
+                default_worker_command(tiny_mistral_dir, backend="torch", dtype="float32", max_session_tokens=256),
+                session_store=store,
             ) as t,
             spawn_multiplexed_worker(
-                default_worker_command(tiny_mistral_dir, backend="mlx", dtype="float32", max_session_tokens=256)
+                default_worker_command(tiny_mistral_dir, backend="mlx", dtype="float32", max_session_tokens=256),
+                session_store=store,
             ) as m,
         ):
             assert (t.info.backend, m.info.backend) == ("torch", "mlx")
@@ -478,6 +488,23 @@ async def test_worker_subprocess_serves_mlx_and_takes_torch_checkpoints(tiny_mis
             on_torch = await t.generate(follow, params("s")).wait()
             assert on_mlx.prefilled_prompt_tokens == len(follow) - ck.position
             assert on_mlx.generated_token_ids == on_torch.generated_token_ids
+            # Through the store: torch saves, MLX resumes and appends a turn, torch resumes that.
+            await t.open_session("x")
+            first = await t.generate(prompt, params("x")).wait()
+            await t.save_session("x")
+            assert await m.resume_session("x") == "x"
+            turn = prompt + first.generated_token_ids + prompt_ids(4, 18)
+            on_mlx = await m.generate(turn, params("x")).wait()
+            assert on_mlx.prefilled_prompt_tokens == len(turn) - (len(prompt) + len(first.generated_token_ids) - 1)
+            saved = await m.save_session("x")
+            assert saved.incremental and saved.segments == 2  # MLX rows after the torch segment
+            await t.close_session("x")
+            await t.resume_session("x")
+            then = turn + on_mlx.generated_token_ids + prompt_ids(3, 19)
+            on_torch = await t.generate(then, params("x")).wait()
+            on_mlx = await m.generate(then, params("x")).wait()
+            assert on_torch.prefilled_prompt_tokens == on_mlx.prefilled_prompt_tokens < len(then) - 20
+            assert on_torch.generated_token_ids == on_mlx.generated_token_ids
 
 
 # ----------------------------------------------------------------------------------------------
