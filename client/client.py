@@ -43,7 +43,18 @@ import trio
 from muxworker.transport.checkpoint import CPUCheckpoint
 from muxworker.transport.errors import ClientClosedError, ContextOverflow, InvalidArgument, MuxError, WorkerStartupError
 from muxworker.transport.framing import attach_payload
-from muxworker.transport.messages import GenerateRequest, GenerationResult, WorkerInfo
+from muxworker.transport.messages import (
+    ChatTemplateRequest,
+    CloseSession,
+    DetokenizeRequest,
+    GenerateRequest,
+    GenerationResult,
+    InfoRequest,
+    OpenSession,
+    ResetSession,
+    TokenizeRequest,
+    WorkerInfo,
+)
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
@@ -319,25 +330,26 @@ class MultiplexedWorkerClient:
             raise ClientClosedError("the client is closed" if self._closing else "the client is not started")
         return self._connection
 
-    async def _call(self, kind: str, fields: dict[str, Any], payloads: list[Any] | None = None, *, expect: str) -> Any:
-        return await self._conn.call(kind, fields, payloads, expect=expect)
+    async def _send(self, request: Any, payloads: list[Any] | None = None, *, expect: str) -> Any:
+        """Send one typed request (transport/messages.py) and wait for its reply."""
+        return await self._conn.call(request.KIND, request.fields(), payloads, expect=expect)
 
     # -- calls --------------------------------------------------------------------------------
 
     async def open_session(self, session_id: str) -> None:
         """Open an empty session (raises SessionExists, CapacityExhausted)."""
         _check_session_id(session_id)
-        await self._call("open", {"session_id": session_id}, expect="ok")
+        await self._send(OpenSession(session_id), expect="ok")
 
     async def close_session(self, session_id: str) -> None:
         """Close a session; its running generation, if any, ends "cancelled" first."""
         _check_session_id(session_id)
-        await self._call("close", {"session_id": session_id}, expect="ok")
+        await self._send(CloseSession(session_id), expect="ok")
 
     async def reset_session(self, session_id: str) -> None:
         """Forget a session's history and keep it open; its running generation ends "cancelled" first."""
         _check_session_id(session_id)
-        await self._call("reset", {"session_id": session_id}, expect="ok")
+        await self._send(ResetSession(session_id), expect="ok")
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: Any) -> GenerationStream:
         """Start a generation and return its stream at once (the request is sent in call order).
@@ -383,16 +395,13 @@ class MultiplexedWorkerClient:
             parse_special = _check_bool("parse_special", parse_special)
         if parse_special is None:
             parse_special = isinstance(text, SpecialText)
-        fields = {"text": str(text) if isinstance(text, str) else text, "add_special_tokens": add_special_tokens}
-        if parse_special:
-            fields["parse_special"] = True
-        ids, _ = await self._call("tokenize", fields, expect="tokens")
+        ids, _ = await self._send(TokenizeRequest(str(text), add_special_tokens, parse_special), expect="tokens")
         return ids
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         payloads: list[Any] = []
         ref = attach_payload(payloads, _token_array(token_ids))
-        return await self._call("detokenize", {"tokens": ref}, payloads, expect="text")
+        return await self._send(DetokenizeRequest(ref), payloads, expect="text")
 
     async def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -405,16 +414,13 @@ class MultiplexedWorkerClient:
         ):
             raise InvalidArgument(f"messages must be a list of {{'role', 'content'}} maps, got {messages!r:.200}")
         add_generation_prompt = _check_bool("add_generation_prompt", add_generation_prompt)
-        ids, text = await self._call(
-            "chat_template",
-            {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt},
-            expect="tokens",
-        )
+        request = ChatTemplateRequest([dict(m) for m in messages], add_generation_prompt)
+        ids, text = await self._send(request, expect="tokens")
         return ChatPrompt(text if text is not None else "", ids)
 
     async def query_info(self) -> dict[str, Any]:
         """The worker's current info: the hello fields plus open sessions, requests and step stats."""
-        return await self._call("info", {}, expect="ok")
+        return await self._send(InfoRequest(), expect="ok")
 
     # -- checkpoints (sessions.py) --------------------------------------------------------------
 

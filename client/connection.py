@@ -43,7 +43,7 @@ from muxworker.transport.errors import (
 )
 from muxworker.transport.fdpass import send_files
 from muxworker.transport.framing import Frame, payload_array
-from muxworker.transport.messages import GenerationResult
+from muxworker.transport.messages import CancelRequest, GenerationResult
 from muxworker.transport.schema import validate
 from muxworker.transport.trio_stream import TrioFrameReader, TrioFrameWriter
 
@@ -274,7 +274,7 @@ class Connection:
                 request.launched.set()
                 frame, request.frame = item.frame, None
             else:
-                frame = Frame({"kind": "cancel", "id": item})
+                frame = Frame({"kind": CancelRequest.KIND, "id": item, **CancelRequest().fields()})
             if request is not None and request.fds:
                 # The files go first, so the worker finds them queued when it reads the frame.
                 try:

@@ -25,6 +25,7 @@ from muxworker.transport.checkpoint.container import memory_file
 from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
 from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.messages import RestoreFileRequest, SaveFileReply, SaveFileRequest
 
 from .connection import Connection
 
@@ -71,17 +72,8 @@ class CheckpointQueue:
             _require_files(connection)
             fd = memory_file("export")
             try:
-                fields: dict[str, Any] = {
-                    "session_id": session_id,
-                    "fds": 1,
-                    "tag": None,
-                    "base": None,
-                    "identity": identity or "",
-                    "max_bytes": DEFAULT_MAX_BYTES,
-                }
-                if position is not None:
-                    fields["position"] = position
-                written = await connection.transfer("save_file", fields, expect="ok", fds=[fd])
+                request = SaveFileRequest(session_id, identity or "", DEFAULT_MAX_BYTES, position=position)
+                written = await _save_file(connection, request, fd)
                 with trio.CancelScope(shield=True):
                     checkpoint = await trio.to_thread.run_sync(_read_export, fd, session_id, written)
             finally:
@@ -100,15 +92,9 @@ class CheckpointQueue:
             fd = memory_file("restore")
             try:
                 written = await trio.to_thread.run_sync(write_checkpoint_segment, fd, session_id, identity, checkpoint)
-                ref = SegmentRef("checkpoint", 0, checkpoint.position, written["file_length"], written["header_crc"])
-                fields = {
-                    "session_id": session_id,
-                    "fds": 1,
-                    "identity": identity,
-                    "max_bytes": DEFAULT_MAX_BYTES,
-                    "segments": [ref.to_wire()],
-                }
-                await connection.transfer("restore_file", fields, expect="ok", fds=[fd])
+                ref = SegmentRef("checkpoint", 0, written.position, written.file_length, written.header_crc)
+                request = RestoreFileRequest(session_id, identity, DEFAULT_MAX_BYTES, (ref,))
+                await connection.transfer(request.KIND, request.fields(), expect="ok", fds=[fd])
             finally:
                 os.close(fd)
 
@@ -119,24 +105,17 @@ class CheckpointQueue:
             _require_files(connection)
             plan = await trio.to_thread.run_sync(store.begin_save, session_id)
             try:
-                fields = {
-                    "session_id": session_id,
-                    "fds": 1,
-                    "tag": plan.tag,
-                    "base": store.base_of(plan),
-                    "identity": store.identity,
-                    "max_bytes": store.max_bytes,
-                }
-                written = await connection.transfer("save_file", fields, expect="ok", fds=[plan.fd])
+                request = SaveFileRequest(
+                    session_id, store.identity, store.max_bytes, tag=plan.tag, base=store.base_of(plan)
+                )
+                written = await _save_file(connection, request, plan.fd)
             except BaseException:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(store.abort_save, plan)
                 raise
             with trio.CancelScope(shield=True):
-                manifest = await trio.to_thread.run_sync(
-                    store.commit_save, plan, written, written["format"], written["geometry"]
-                )
-            return SaveResult(written["position"], written["start"], written["payload_bytes"], len(manifest.segments))
+                manifest = await trio.to_thread.run_sync(store.commit_save, plan, written)
+            return SaveResult(written.position, written.start, written.payload_bytes, len(manifest.segments))
 
     async def resume(self, connection: Connection, store: StoreBinding, session_id: str) -> None:
         """The store vets and opens the files; the worker reads them straight into a free slot."""
@@ -144,15 +123,9 @@ class CheckpointQueue:
             _require_files(connection)
             plan = await trio.to_thread.run_sync(store.begin_resume, session_id)
             try:
-                fields: dict[str, Any] = {
-                    "session_id": session_id,
-                    "fds": len(plan.fds),
-                    "identity": store.identity,
-                    "max_bytes": store.max_bytes,
-                    "tag": plan.manifest.tag,
-                    "segments": [ref.to_wire() for ref in plan.manifest.segments],
-                }
-                await connection.transfer("restore_file", fields, expect="ok", fds=plan.fds)
+                m = plan.manifest
+                request = RestoreFileRequest(session_id, store.identity, store.max_bytes, tuple(m.segments), tag=m.tag)
+                await connection.transfer(request.KIND, request.fields(), expect="ok", fds=plan.fds)
             finally:
                 plan.close()
 
@@ -164,9 +137,14 @@ def _require_files(connection: Connection) -> None:
         )
 
 
-def _read_export(fd: int, session_id: str, written: dict[str, Any]) -> CPUCheckpoint:
+async def _save_file(connection: Connection, request: SaveFileRequest, fd: int) -> SaveFileReply:
+    value = await connection.transfer(request.KIND, request.fields(), expect="ok", fds=[fd])
+    return SaveFileReply.from_wire(value)
+
+
+def _read_export(fd: int, session_id: str, written: SaveFileReply) -> CPUCheckpoint:
     name = f"the export of session {session_id!r}"
-    ref = SegmentRef("export", 0, written["position"], written["file_length"], written["header_crc"])
+    ref = SegmentRef("export", 0, written.position, written.file_length, written.header_crc)
     return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])
 
 

@@ -12,6 +12,11 @@ each one names exactly the fields its schema entry has:
   every field the worker's engine sends (a worker test checks the engine against it).
 - :class:`WorkerInfo` and :class:`ModelInfo`: the worker's ``hello`` (its protocol version, model,
   backend, device, dtype, engine limits and readiness).
+- One class for every other request kind (:data:`REQUESTS`): the client builds the control map
+  with :meth:`fields`, the worker reads it back with ``from_control`` after the schema checked its
+  shape, so neither end indexes a raw map. :class:`SaveFileRequest` and :class:`RestoreFileRequest`
+  carry checkpoint files (their ``fds`` count is derived), :class:`SaveFileReply` is what a save
+  wrote.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from .checkpoint.segments import SaveFileReply, SegmentRef
 from .errors import ProtocolError
 from .sampling import SAMPLING_FIELD_NAMES, SamplingFields
 
@@ -31,7 +37,175 @@ __all__ = [
     "ModelInfo",
     "WorkerInfo",
     "SamplingFields",
+    "OpenSession",
+    "CloseSession",
+    "ResetSession",
+    "CancelRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+    "ChatTemplateRequest",
+    "InfoRequest",
+    "SaveBase",
+    "SaveFileRequest",
+    "SaveFileReply",
+    "RestoreFileRequest",
+    "REQUESTS",
 ]
+
+
+class _Request:
+    """A request kind's typed fields: ``fields()`` is the control map without ``kind`` and ``id``
+    (None-valued optional fields left out), ``from_control`` its inverse on a schema-checked map."""
+
+    KIND: ClassVar[str]
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_control(cls, control: Mapping[str, Any]) -> Any:
+        return cls(**{f.name: control[f.name] for f in dataclasses.fields(cls) if f.name in control})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class OpenSession(_Request):
+    KIND: ClassVar[str] = "open"
+    session_id: str
+
+
+@dataclass(frozen=True)
+class CloseSession(_Request):
+    KIND: ClassVar[str] = "close"
+    session_id: str
+
+
+@dataclass(frozen=True)
+class ResetSession(_Request):
+    KIND: ClassVar[str] = "reset"
+    session_id: str
+
+
+@dataclass(frozen=True)
+class CancelRequest(_Request):
+    """Cancel the request whose id this message carries (no fields of its own)."""
+
+    KIND: ClassVar[str] = "cancel"
+
+
+@dataclass(frozen=True)
+class InfoRequest(_Request):
+    KIND: ClassVar[str] = "info"
+
+
+@dataclass(frozen=True)
+class TokenizeRequest(_Request):
+    KIND: ClassVar[str] = "tokenize"
+    text: str
+    add_special_tokens: bool = False
+    parse_special: bool = False
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest(_Request):
+    KIND: ClassVar[str] = "detokenize"
+    tokens: Mapping[str, Any]  # a payload reference (framing.attach_payload)
+
+
+@dataclass(frozen=True)
+class ChatTemplateRequest(_Request):
+    KIND: ClassVar[str] = "chat_template"
+    messages: Sequence[Mapping[str, Any]]
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class SaveBase:
+    """What a save may build on: rows ``[0, position)`` of the slot are in the store's save ``tag``.
+    A store saving blocks of ``block_tokens`` positions (0: none) has its last block end at
+    ``block_start``; a save that crosses a block boundary is written from there."""
+
+    tag: str
+    position: int
+    block_start: int | None = None
+    block_tokens: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"tag": self.tag, "position": self.position}
+        if self.block_tokens:
+            wire.update(block_start=self.block_start, block_tokens=self.block_tokens)
+        return wire
+
+
+@dataclass(frozen=True)
+class SaveFileRequest(_Request):
+    """Write a session into the one file passed with the request: a store's save (``tag``, and a
+    ``base`` to append to) or an export into a memory file (no tag, no base, maybe a ``position``)."""
+
+    KIND: ClassVar[str] = "save_file"
+    session_id: str
+    identity: str  # "" for an export without one
+    max_bytes: int
+    tag: str | None = None
+    base: SaveBase | None = None
+    position: int | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "session_id": self.session_id,
+            "fds": 1,
+            "tag": self.tag,
+            "base": None if self.base is None else self.base.to_wire(),
+            "identity": self.identity,
+            "max_bytes": self.max_bytes,
+        }
+        if self.position is not None:
+            out["position"] = self.position
+        return out
+
+    @classmethod
+    def from_control(cls, control: Mapping[str, Any]) -> SaveFileRequest:
+        base = control["base"]
+        return cls(
+            control["session_id"],
+            control["identity"],
+            control["max_bytes"],
+            control["tag"],
+            None if base is None else SaveBase(**base),
+            control.get("position"),
+        )
+
+
+@dataclass(frozen=True)
+class RestoreFileRequest(_Request):
+    """Restore session ``session_id`` from the segment files passed with the request, one per
+    entry of ``segments``: a saved session's (``tag`` its save, ``saved_id`` the session they
+    hold when another) or one host checkpoint in a memory file (no tag)."""
+
+    KIND: ClassVar[str] = "restore_file"
+    session_id: str
+    identity: str
+    max_bytes: int
+    segments: tuple[SegmentRef, ...]
+    tag: str | None = None
+    saved_id: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out = super().fields()
+        out["fds"] = len(self.segments)
+        out["segments"] = [ref.to_wire() for ref in self.segments]
+        return out
+
+    @classmethod
+    def from_control(cls, control: Mapping[str, Any]) -> RestoreFileRequest:
+        refs = tuple(SegmentRef.from_wire(r, f"segments[{i}]") for i, r in enumerate(control["segments"]))
+        return cls(
+            control["session_id"],
+            control["identity"],
+            control["max_bytes"],
+            refs,
+            control.get("tag"),
+            control.get("saved_id"),
+        )
 
 
 @dataclass(frozen=True)
@@ -164,3 +338,21 @@ class WorkerInfo:
             weights=hello.get("weights", "float"),
             files=bool(hello.get("files", False)),
         )
+
+
+#: The typed class of every request kind but ``generate`` (GenerateRequest), by kind.
+REQUESTS: dict[str, type[_Request]] = {
+    cls.KIND: cls
+    for cls in (
+        OpenSession,
+        CloseSession,
+        ResetSession,
+        CancelRequest,
+        InfoRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+        ChatTemplateRequest,
+        SaveFileRequest,
+        RestoreFileRequest,
+    )
+}

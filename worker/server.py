@@ -66,6 +66,19 @@ from muxworker.transport.errors import (
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter, worker_fds
 from muxworker.transport.fdpass import FileReceiver
 from muxworker.transport.framing import Frame, MiB, attach_payload, payload_array
+from muxworker.transport.messages import (
+    REQUESTS,
+    CancelRequest,
+    ChatTemplateRequest,
+    CloseSession,
+    DetokenizeRequest,
+    InfoRequest,
+    OpenSession,
+    ResetSession,
+    RestoreFileRequest,
+    SaveFileRequest,
+    TokenizeRequest,
+)
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import error_control, hello_control, validate
 from muxworker.worker.models.args import ConfigError
@@ -235,19 +248,20 @@ class WorkerServer:
         self._steps = 0
         self._step_time_s = 0.0
         self._recent_steps: deque[float] = deque(maxlen=_STEP_WINDOW)
-        self._handlers: dict[str, Callable[[int, dict[str, Any], Frame], None]] = {
-            "open": self._open,
-            "close": self._close,
-            "reset": self._reset,
-            "generate": self._generate,
-            "cancel": self._cancel,
-            "tokenize": self._tokenize,
-            "detokenize": self._detokenize,
-            "chat_template": self._chat_template,
-            "save_file": self._save_file,
-            "restore_file": self._restore_file,
-            "info": self._info,
+        # Every request kind but generate, by kind; each takes its typed message (REQUESTS).
+        self._handlers: dict[str, Callable[[int, Any, Frame], None]] = {
+            OpenSession.KIND: self._open,
+            CloseSession.KIND: self._close,
+            ResetSession.KIND: self._reset,
+            CancelRequest.KIND: self._cancel,
+            TokenizeRequest.KIND: self._tokenize,
+            DetokenizeRequest.KIND: self._detokenize,
+            ChatTemplateRequest.KIND: self._chat_template,
+            SaveFileRequest.KIND: self._save_file,
+            RestoreFileRequest.KIND: self._restore_file,
+            InfoRequest.KIND: self._info,
         }
+        assert self._handlers.keys() == REQUESTS.keys()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -432,7 +446,7 @@ class WorkerServer:
             call = functools.partial(self._io_done, item)
         else:
             rid, kind = item.control["id"], item.control["kind"]
-            call = functools.partial(self._handlers[kind], rid, item.control, item)
+            call = functools.partial(self._request, rid, kind, item)
         try:
             call()
         except MuxError as exc:
@@ -442,6 +456,13 @@ class WorkerServer:
             _log(f"request {rid} ({kind}) failed:\n" + traceback.format_exc())
             self._write(Frame(error_control(rid, InternalError(f"{type(exc).__name__}: {exc}"))))
         return None
+
+    def _request(self, rid: int, kind: str, frame: Frame) -> None:
+        """Run the handler of a schema-checked request, with its typed message (transport/messages.py)."""
+        if kind == "generate":
+            self._generate(rid, frame.control, frame)
+        else:
+            self._handlers[kind](rid, REQUESTS[kind].from_control(frame.control), frame)
 
     def _start_io(
         self,
@@ -481,16 +502,16 @@ class WorkerServer:
             control["value"] = value
         return Frame(control)
 
-    def _open(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        self._engine.open_session(control["session_id"])
+    def _open(self, rid: int, msg: OpenSession, frame: Frame) -> None:
+        self._engine.open_session(msg.session_id)
         self._write(self._ok(rid))
 
-    def _close(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        self._engine.close_session(control["session_id"])
+    def _close(self, rid: int, msg: CloseSession, frame: Frame) -> None:
+        self._engine.close_session(msg.session_id)
         self._deferred.append(self._ok(rid))
 
-    def _reset(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        self._engine.reset_session(control["session_id"])
+    def _reset(self, rid: int, msg: ResetSession, frame: Frame) -> None:
+        self._engine.reset_session(msg.session_id)
         self._deferred.append(self._ok(rid))
 
     def _generate(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
@@ -506,21 +527,19 @@ class WorkerServer:
         params = SamplingParams.from_wire(control)
         self._engine.submit(rid, control["session_id"], prompt, params, cache_salt=control.get("cache_salt"))
 
-    def _cancel(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+    def _cancel(self, rid: int, msg: CancelRequest, frame: Frame) -> None:
         # The target ends with its own done (finish_reason "cancelled"); an unknown id is a no-op
         # because the request may have finished while the cancel was on its way.
         self._engine.cancel(rid)
 
-    def _tokenize(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+    def _tokenize(self, rid: int, msg: TokenizeRequest, frame: Frame) -> None:
         ids = self._engine.tokenizer.encode(
-            control["text"],
-            add_special_tokens=control.get("add_special_tokens", False),
-            parse_special=control.get("parse_special", False),
+            msg.text, add_special_tokens=msg.add_special_tokens, parse_special=msg.parse_special
         )
         self._write(_tokens_frame(rid, ids))
 
-    def _detokenize(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        ids = payload_array(frame, control["tokens"])
+    def _detokenize(self, rid: int, msg: DetokenizeRequest, frame: Frame) -> None:
+        ids = payload_array(frame, msg.tokens)
         vocab = self._engine.vocab_size
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise InvalidArgument(
@@ -528,14 +547,12 @@ class WorkerServer:
             )
         self._write(Frame({"kind": "text", "id": rid, "text": self._engine.tokenizer.decode(ids.tolist())}))
 
-    def _chat_template(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+    def _chat_template(self, rid: int, msg: ChatTemplateRequest, frame: Frame) -> None:
         from muxworker.worker.models.tokenizer import ChatTemplateError
 
         tokenizer = self._engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(
-                control["messages"], add_generation_prompt=control.get("add_generation_prompt", True)
-            )
+            text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt)
         except ChatTemplateError as exc:
             raise InvalidArgument(str(exc)) from None
         self._write(_tokens_frame(rid, tokenizer.encode(text, parse_special=True), text=text))
@@ -545,49 +562,37 @@ class WorkerServer:
             raise InvalidArgument("this worker has no file channel (--files-fd): checkpoints travel only as files")
         return self._files.receive(rid, count)
 
-    def _save_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        from muxworker.worker.engine.checkpoint_files import SaveBase
-
+    def _save_file(self, rid: int, msg: SaveFileRequest, frame: Frame) -> None:
         engine = self._engine
-        (fd,) = self._passed_files(rid, control["fds"])
-        base = control["base"]
+        (fd,) = self._passed_files(rid, 1)
         try:
             job = engine.begin_save(
-                control["session_id"],
+                msg.session_id,
                 fd,
-                tag=control["tag"],
-                base=None
-                if base is None
-                else SaveBase(base["tag"], base["position"], base.get("block_start"), base.get("block_tokens", 0)),
-                identity=control["identity"],
-                max_bytes=control["max_bytes"],
-                position=control.get("position"),
+                tag=msg.tag,
+                base=msg.base,
+                identity=msg.identity,
+                max_bytes=msg.max_bytes,
+                position=msg.position,
             )
         except BaseException:
             os.close(fd)
             raise
         write = functools.partial(job.write, self._pace)
-        self._start_io(rid, "save_file", [fd], write, lambda f: engine.finish_save(job, f.exception()))
+        self._start_io(rid, "save_file", [fd], write, lambda f: engine.finish_save(job, f.exception()).to_wire())
 
-    def _restore_file(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
-        from muxworker.transport.checkpoint.segments import SegmentRef
-
+    def _restore_file(self, rid: int, msg: RestoreFileRequest, frame: Frame) -> None:
         engine = self._engine
-        fds = self._passed_files(rid, control["fds"])
-        sid = control["session_id"]
+        fds = self._passed_files(rid, len(msg.segments))
         try:
-            refs = [
-                SegmentRef(r["name"], r["start"], r["end"], r["file_length"], r["header_crc"], r.get("shared", False))
-                for r in control["segments"]
-            ]
             job = engine.begin_restore(
-                sid,
+                msg.session_id,
                 fds,
-                refs,
-                tag=control.get("tag"),
-                identity=control["identity"],
-                max_bytes=control["max_bytes"],
-                saved_id=control.get("saved_id"),
+                msg.segments,
+                tag=msg.tag,
+                identity=msg.identity,
+                max_bytes=msg.max_bytes,
+                saved_id=msg.saved_id,
             )
         except BaseException:
             for fd in fds:
@@ -598,7 +603,7 @@ class WorkerServer:
             rid, "restore_file", fds, read, lambda f: {"position": engine.finish_restore(job, f.exception())}
         )
 
-    def _info(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+    def _info(self, rid: int, msg: InfoRequest, frame: Frame) -> None:
         value = {k: v for k, v in self._hello.items() if k != "kind"}
         value["readiness"] = self._engine.readiness.value
         recent = sorted(self._recent_steps)

@@ -45,6 +45,7 @@ from muxworker.transport.errors import (  # noqa: F401  (the store's errors: loc
     StorePermissionError,
     StoreUnavailable,
 )
+from muxworker.transport.messages import SaveBase, SaveFileReply
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
@@ -363,7 +364,7 @@ class StoreBinding:
             return base, True
         return None, False
 
-    def base_of(self, plan: SavePlan) -> dict[str, Any] | None:
+    def base_of(self, plan: SavePlan) -> SaveBase | None:
         """The ``base`` a worker's save_file appends to (None: write everything). A block store's
         base also says where its last block ends, for saves that complete a block."""
         base = plan.base
@@ -372,18 +373,17 @@ class StoreBinding:
         run, size = _block_run_end(base), self.block_tokens
         if size and run % size:
             run = 0  # blocks of another size: the next save that crosses a boundary rewrites them
-        out: dict[str, Any] = {"tag": base.tag, "position": run if plan.compact else base.position}
+        position = run if plan.compact else base.position
         if size and run < MAX_BLOCKS * size:
-            out["block_start"] = run
-            out["block_tokens"] = size
-        return out
+            return SaveBase(base.tag, position, run, size)
+        return SaveBase(base.tag, position)
 
     def _cut(
-        self, plan: SavePlan, written: dict[str, Any]
+        self, plan: SavePlan, written: SaveFileReply
     ) -> tuple[builtins.list[SegmentRef], builtins.list[Piece], SegmentMemory]:
         """What a staged save publishes: the base's segments it keeps (those before the new rows),
         and the new rows cut into block pieces and a tail piece (views of the memory file)."""
-        start, position = int(written["start"]), int(written["position"])
+        start, position = written.start, written.position
         base = plan.base
         kept = [r for r in base.segments if r.end <= start] if start and base is not None else []
         if start and (kept[-1].end if kept else 0) != start:
@@ -391,7 +391,7 @@ class StoreBinding:
                 f"session {plan.session_id!r}: the worker saved from position {start}, which is no segment "
                 "boundary of the save it builds on; nothing was published, save again"
             )
-        ref = SegmentRef(plan.segment, start, position, written["file_length"], written["header_crc"])
+        ref = SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)
         header = read_segment_header(plan.fd, f"the new segment of session {plan.session_id!r}", ref)
         if header.session_id != plan.session_id or header.identity != self.identity:
             raise CheckpointCorrupt(
@@ -427,7 +427,7 @@ class StoreBinding:
     def begin_save(self, session_id: str) -> SavePlan:
         raise NotImplementedError
 
-    def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
+    def commit_save(self, plan: SavePlan, written: SaveFileReply) -> SessionManifest:
         raise NotImplementedError
 
     def abort_save(self, plan: SavePlan) -> None:

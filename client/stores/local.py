@@ -51,6 +51,7 @@ from muxworker.transport.checkpoint.file import write_checkpoint_segment
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.messages import SaveFileReply
 
 from .binding import (
     _TEMP_NAME,
@@ -467,7 +468,7 @@ class SessionStore(StoreBinding):
         plan.staged, plan.compact = bool(self.block_tokens), compact
         return plan
 
-    def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
+    def commit_save(self, plan: SavePlan, written: SaveFileReply) -> SessionManifest:
         """Publish what the worker wrote into ``plan``'s segment (its save_file reply ``written``):
         replace the manifest atomically (temp file, fsync, rename, directory fsync) and delete the
         segments it no longer names. The previous save stays loadable until the rename.
@@ -475,7 +476,7 @@ class SessionStore(StoreBinding):
         Raises :class:`SaveConflict` when the save appended to a manifest another writer replaced
         meanwhile (nothing is published; save again)."""
         try:
-            start, position = int(written["start"]), int(written["position"])
+            start, position = written.start, written.position
             dir_fd = self._open_dir()
             try:
                 new_refs: builtins.list[SegmentRef] | None = None
@@ -498,9 +499,7 @@ class SessionStore(StoreBinding):
                         m = dataclasses.replace(current, tag=plan.tag, saved=now)
                     else:
                         if new_refs is None:
-                            ref = SegmentRef(
-                                plan.segment, start, position, written["file_length"], written["header_crc"]
-                            )
+                            ref = SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)
                             new_refs = [ref]
                         if start:
                             if plan.base is None or current is None or current.tag != plan.base.tag:
@@ -516,8 +515,8 @@ class SessionStore(StoreBinding):
                         m = SessionManifest(
                             plan.session_id,
                             self.identity,
-                            format,
-                            geometry,
+                            written.format,
+                            written.geometry,
                             position,
                             plan.tag,
                             created,
@@ -546,7 +545,7 @@ class SessionStore(StoreBinding):
         finally:
             self._release(plan)
 
-    def _store_pieces(self, dir_fd: int, plan: SavePlan, written: dict[str, Any]) -> builtins.list[SegmentRef]:
+    def _store_pieces(self, dir_fd: int, plan: SavePlan, written: SaveFileReply) -> builtins.list[SegmentRef]:
         """Write a staged save's pieces: each block not yet in the store (linked in under its key,
         so concurrent writers of one block both succeed) and the tail as the plan's segment file.
         Returns the refs that follow the base's kept segments."""
@@ -696,7 +695,7 @@ class SessionStore(StoreBinding):
         except BaseException:
             self.abort_save(plan)
             raise
-        self.commit_save(plan, written, checkpoint.format, checkpoint.geometry)
+        self.commit_save(plan, written)
 
     # -- removing -------------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from muxworker.transport.checkpoint.file import write_checkpoint_segment
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.messages import SaveFileReply
 
 from .binding import (
     DEFAULT_COMPACT_AFTER,
@@ -367,13 +368,13 @@ class ObjectSessionStore(StoreBinding):
         except Exception:
             return None
 
-    def commit_save(self, plan: SavePlan, written: dict[str, Any], format: dict, geometry: dict) -> SessionManifest:
+    def commit_save(self, plan: SavePlan, written: SaveFileReply) -> SessionManifest:
         """Upload the segment the worker wrote, then publish the manifest with a conditional write.
 
         Raises :class:`SaveConflict` when another writer saved or deleted the session since
         :meth:`begin_save` (nothing is published; save again)."""
         try:
-            start, position = int(written["start"]), int(written["position"])
+            start, position = written.start, written.position
             version = plan.version
             base = plan.base
             now = time.time()
@@ -387,13 +388,13 @@ class ObjectSessionStore(StoreBinding):
                 else:
                     # One read of the memory file (the worker fsynced it; one copy, then one PUT).
                     self._put(plan.segment, _read_all(plan.fd), f"segment {plan.segment}", "create")
-                    ref = SegmentRef(plan.segment, start, position, written["file_length"], written["header_crc"])
+                    ref = SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)
                     segments = [*base.segments, ref] if start and base is not None else [ref]
                 m = SessionManifest(
                     plan.session_id,
                     self.identity,
-                    format,
-                    geometry,
+                    written.format,
+                    written.geometry,
                     position,
                     plan.tag,
                     base.created if base is not None else now,
@@ -416,7 +417,7 @@ class ObjectSessionStore(StoreBinding):
         finally:
             self.abort_save(plan)
 
-    def _store_pieces(self, plan: SavePlan, written: dict[str, Any]) -> builtins.list[SegmentRef]:
+    def _store_pieces(self, plan: SavePlan, written: SaveFileReply) -> builtins.list[SegmentRef]:
         """Upload a staged save's pieces (blocks without a young enough copy, and the tail as the
         plan's segment); returns the manifest's new segment list."""
         kept, pieces, memory = self._cut(plan, written)
@@ -500,7 +501,7 @@ class ObjectSessionStore(StoreBinding):
         except BaseException:
             self.abort_save(plan)
             raise
-        self.commit_save(plan, written, checkpoint.format, checkpoint.geometry)
+        self.commit_save(plan, written)
 
     # -- listing and removing ---------------------------------------------------------------------
 

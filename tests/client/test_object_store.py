@@ -130,9 +130,9 @@ async def test_two_writers_the_later_fails_and_the_winner_stays_whole(store_url,
         plan_a, plan_b = a.begin_save("s"), b.begin_save("s")  # both find no manifest
         for plan, store, checkpoint in ((plan_a, a, first), (plan_b, b, second)):
             plan.written = write_checkpoint_segment(plan.fd, "s", store.identity, checkpoint)
-        a.commit_save(plan_a, plan_a.written, first.format, first.geometry)
+        a.commit_save(plan_a, plan_a.written)
         with pytest.raises(SaveConflict):
-            b.commit_save(plan_b, plan_b.written, second.format, second.geometry)
+            b.commit_save(plan_b, plan_b.written)
 
     await trio.to_thread.run_sync(race)
     assert_same(await trio.to_thread.run_sync(b.load, "s"), first)

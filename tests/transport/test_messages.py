@@ -6,6 +6,9 @@ import dataclasses
 
 import pytest
 
+from muxworker.transport import messages
+from muxworker.transport.checkpoint.segments import SegmentRef
+from muxworker.transport.errors import ProtocolError
 from muxworker.transport.framing import PROTOCOL_VERSION
 from muxworker.transport.messages import RESULT_FIELDS, GenerateRequest, GenerationResult, ModelInfo, WorkerInfo
 from muxworker.transport.sampling import SAMPLING_FIELD_NAMES, SamplingFields
@@ -95,3 +98,52 @@ def test_the_client_reexports_the_same_classes():
 
     assert client.GenerationResult is GenerationResult and client.WorkerInfo is WorkerInfo
     assert client.ModelInfo is ModelInfo and params.RESULT_FIELDS is RESULT_FIELDS
+
+
+# --- every other request kind -------------------------------------------------------------------
+
+EXAMPLES = [
+    messages.OpenSession("s"),
+    messages.CloseSession("s"),
+    messages.ResetSession("s"),
+    messages.CancelRequest(),
+    messages.InfoRequest(),
+    messages.TokenizeRequest("hi", add_special_tokens=True),
+    messages.DetokenizeRequest({"payload": 0, "dtype": "int32", "shape": [2]}),
+    messages.ChatTemplateRequest([{"role": "user", "content": "hi"}], add_generation_prompt=False),
+    messages.SaveFileRequest("s", "id", 1 << 30, tag="t2", base=messages.SaveBase("t1", 40, 32, 16)),
+    messages.SaveFileRequest("s", "", 1 << 30, position=7),  # an export into a memory file
+    messages.RestoreFileRequest(
+        "s", "id", 1 << 30, (SegmentRef("a.mxseg", 0, 40, 9000, 7), SegmentRef("b.mxseg", 40, 52, 5000, 8)), "t2"
+    ),
+    messages.RestoreFileRequest("s", "", 1 << 30, (SegmentRef("checkpoint", 0, 5, 4096, 1),)),  # a host checkpoint
+]
+
+
+def test_every_client_kind_has_one_typed_request():
+    client_kinds = {kind for kind, spec in MESSAGES.items() if spec.sender == "client"}
+    assert set(messages.REQUESTS) | {"generate"} == client_kinds
+    assert {type(m).KIND for m in EXAMPLES} == set(messages.REQUESTS)
+
+
+@pytest.mark.parametrize("kind", sorted(messages.REQUESTS))
+def test_a_request_class_names_exactly_its_schema_fields(kind):
+    spec, cls = MESSAGES[kind], messages.REQUESTS[kind]
+    derived = {"fds"} if kind in ("save_file", "restore_file") else set()  # counted from the files
+    assert _names(cls) | derived == (set(spec.required) | set(spec.optional)) - {"id"}
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    assert optional - {"tag", "base"} <= set(spec.optional)  # save_file always sends tag and base
+
+
+@pytest.mark.parametrize("request_", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_a_request_round_trips_through_a_valid_control_map(request_):
+    control = {"kind": request_.KIND, "id": 3, **request_.fields()}
+    validate(control, sender="client")
+    assert type(request_).from_control(control) == request_
+
+
+def test_a_save_file_reply_round_trips_and_a_short_one_is_a_protocol_error():
+    reply = messages.SaveFileReply(0, 10, 8192, 5, 4000, {"dtype": "float32"}, {"num_layers": 1})
+    assert messages.SaveFileReply.from_wire(reply.to_wire()) == reply
+    with pytest.raises(ProtocolError, match="lacks 'geometry'"):
+        messages.SaveFileReply.from_wire({k: v for k, v in reply.to_wire().items() if k != "geometry"})

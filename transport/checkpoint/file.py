@@ -23,6 +23,7 @@ from .errors import os_failure
 from .identity import IdentityInputs
 from .segments import (
     DraftRows,
+    SaveFileReply,
     SegmentHeader,
     byte_view,
     host_layer_rows,
@@ -123,14 +124,15 @@ def _segment_fields(session_id: str, checkpoint: CPUCheckpoint) -> dict[str, Any
     }
 
 
-def write_checkpoint_segment(fd: int, session_id: str, identity: str, checkpoint: CPUCheckpoint) -> dict[str, Any]:
+def write_checkpoint_segment(fd: int, session_id: str, identity: str, checkpoint: CPUCheckpoint) -> SaveFileReply:
     """Write a host checkpoint whole, as one segment from position 0 under ``identity``, into the
-    empty file ``fd``; return what a worker's ``save_file`` reply says of a segment (start,
-    position, file_length, header_crc), for the store's commit. Draft-model state goes with it."""
+    empty file ``fd``; return what a worker's ``save_file`` reply says of it, for the store's
+    commit. Draft-model state goes with it."""
     fields = _segment_fields(session_id, checkpoint)
     fields["identity"] = identity
     length, head_crc = write_segment(fd, **fields)
-    return {"start": 0, "position": checkpoint.position, "file_length": length, "header_crc": head_crc}
+    stored = checkpoint.nbytes - (checkpoint.draft["pending_token_ids"].nbytes if checkpoint.draft else 0)
+    return SaveFileReply(0, checkpoint.position, length, head_crc, stored, checkpoint.format, checkpoint.geometry)
 
 
 def draft_state(layers: list[LayerState], geometry: dict, position: int, tokens: np.ndarray) -> dict[str, Any]:

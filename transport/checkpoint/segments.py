@@ -21,9 +21,10 @@ client's stores (client/stores/) and host checkpoints (file.py) build on it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from muxworker.native import crc32c
 
-from ..errors import CheckpointCorrupt, CheckpointIncompatible, CheckpointReadError
+from ..errors import CheckpointCorrupt, CheckpointIncompatible, CheckpointReadError, ProtocolError
 from .container import (
     _TRAILER,
     _ZEROS,
@@ -51,6 +52,7 @@ from .state import LAYOUT_VERSION, LayerState, _check_format, _check_geometry, n
 
 __all__ = [
     "SegmentRef",
+    "SaveFileReply",
     "SegmentHeader",
     "LayerRows",
     "byte_view",
@@ -170,6 +172,31 @@ class SegmentRef:
             _int(obj["header_crc"], where, 0, 2**32 - 1),
             "shared" in obj,
         )
+
+
+@dataclass(frozen=True)
+class SaveFileReply:
+    """What a ``save_file`` wrote (its ``ok`` value): positions ``[start, position)`` in
+    ``file_length`` bytes (``start == position``: nothing new, nothing written), the header's CRC,
+    the payload bytes, and the ``format`` and ``geometry`` of the rows."""
+
+    start: int
+    position: int
+    file_length: int
+    header_crc: int
+    payload_bytes: int
+    format: dict[str, Any]
+    geometry: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> SaveFileReply:
+        try:
+            return cls(**{f.name: value[f.name] for f in dataclasses.fields(cls)})
+        except KeyError as exc:
+            raise ProtocolError(f"a save_file reply lacks {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,6 +60,7 @@ from muxworker.transport.errors import (
     CheckpointWriteError,
     InvalidArgument,
 )
+from muxworker.transport.messages import SaveBase, SaveFileReply
 
 if TYPE_CHECKING:
     from muxworker.worker.backends.interface import Executor
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     from .core import Engine
     from .state import Session
 
-__all__ = ["SaveBase", "SaveJob", "RestoreJob", "plan_save"]
+__all__ = ["SaveJob", "RestoreJob", "plan_save"]
 
 
 _CHECK_SLICE = 256 * 1024  # bytes checked for finiteness between two calls of a restore's pace
@@ -75,17 +76,6 @@ _CHECK_SLICE = 256 * 1024  # bytes checked for finiteness between two calls of a
 
 def _unpaced() -> None:
     """A job's default ``pace``: no pauses (the worker passes its own, server.py)."""
-
-
-class SaveBase(NamedTuple):
-    """What a save may build on: rows ``[0, position)`` of the slot are in the store's save ``tag``.
-    A store saving blocks of ``block_tokens`` positions (0: none) has its last block end at
-    ``block_start``; a save that crosses a block boundary is written from there."""
-
-    tag: str
-    position: int
-    block_start: int | None = None
-    block_tokens: int = 0
 
 
 @dataclass
@@ -134,19 +124,12 @@ class SaveJob:
                 CheckpointWriteError, e, f"cannot save session {self.session_id!r} (writing its segment)"
             ) from None
 
-    def reply(self) -> dict[str, Any]:
-        """What the store records: ``start``, ``position``, ``file_length``, ``header_crc``,
-        ``payload_bytes`` (token ids and KV rows written; ``start == position``: nothing new,
-        nothing written), and the ``format`` and ``geometry`` the rows have."""
-        return {
-            "start": self.start,
-            "position": self.position,
-            "file_length": self.file_length,
-            "header_crc": self.header_crc,
-            "payload_bytes": self.payload_bytes,
-            "format": self.format,
-            "geometry": self.geometry,
-        }
+    def reply(self) -> SaveFileReply:
+        """What the store records of the segment written (token ids and KV rows in
+        ``payload_bytes``; ``start == position``: nothing new, nothing written)."""
+        return SaveFileReply(
+            self.start, self.position, self.file_length, self.header_crc, self.payload_bytes, self.format, self.geometry
+        )
 
 
 def plan_save(

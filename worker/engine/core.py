@@ -75,6 +75,7 @@ from muxworker.transport.errors import (
     SessionNotFound,
     Unsaveable,
 )
+from muxworker.transport.messages import SaveBase, SaveFileReply
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import MAX_CACHE_SALT_BYTES, MAX_SESSION_ID_BYTES
 from muxworker.worker.backends.interface import Executor, geometry
@@ -629,7 +630,7 @@ class Engine:
                 error = e
             reply = self.finish_save(job, error)
             name = f"the export of session {sid!r}"
-            ref = SegmentRef("export", 0, reply["position"], reply["file_length"], reply["header_crc"])
+            ref = SegmentRef("export", 0, reply.position, reply.file_length, reply.header_crc)
             return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])
         finally:
             os.close(fd)
@@ -648,7 +649,7 @@ class Engine:
         try:
             identity = checkpoint.identity or ""
             written = write_checkpoint_segment(fd, sid, identity, checkpoint)
-            ref = SegmentRef("checkpoint", 0, written["position"], written["file_length"], written["header_crc"])
+            ref = SegmentRef("checkpoint", 0, written.position, written.file_length, written.header_crc)
             job = self.begin_restore(sid, [fd], [ref], tag=None, identity=identity, max_bytes=1 << 62)
             error = None
             try:
@@ -667,7 +668,7 @@ class Engine:
         fd: int,
         *,
         tag: str | None,
-        base: checkpoint_files.SaveBase | None,
+        base: SaveBase | None,
         identity: str,
         max_bytes: int,
         position: int | None = None,
@@ -696,7 +697,7 @@ class Engine:
         s.saving = True
         return job
 
-    def finish_save(self, job: checkpoint_files.SaveJob, error: BaseException | None) -> dict[str, Any]:
+    def finish_save(self, job: checkpoint_files.SaveJob, error: BaseException | None) -> SaveFileReply:
         """Once ``job.write()`` has returned (``error`` None) or raised ``error``: the session is
         idle again and, when the write succeeded, its rows are durable under the save's tag; return
         what the store records (``SaveJob.reply``), or raise ``error`` (the durable base unchanged)."""

@@ -32,9 +32,9 @@ from muxworker.transport.errors import (
     SessionNotFound,
     Unsaveable,
 )
+from muxworker.transport.messages import SaveBase
 from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.build import load_engine
-from muxworker.worker.engine.checkpoint_files import SaveBase
 from muxworker.worker.engine.config import EngineConfig
 
 IDENTITY = "test-identity"
@@ -50,7 +50,7 @@ def on_io_thread(work):
 
 def save_file(engine, sid, fd, *, tag, base=None):
     job = engine.begin_save(sid, fd, tag=tag, base=base, identity=IDENTITY, max_bytes=BIG)
-    return engine.finish_save(job, on_io_thread(job.write))
+    return engine.finish_save(job, on_io_thread(job.write)).to_wire()
 
 
 @pytest.fixture(params=["torch", "torch-host-copies", "mlx"])
@@ -370,7 +370,7 @@ def test_a_save_is_written_on_another_thread_while_other_sessions_decode(tmp_pat
         gate.opened.set()
         error = written.exception()
     monkeypatch.undo()
-    out = engine.finish_save(job, error)
+    out = engine.finish_save(job, error).to_wire()
     os.close(fd)
     assert gate.threads and threading.get_ident() not in gate.threads
     assert len(streamed) == 10
@@ -472,7 +472,7 @@ def test_a_paced_save_and_restore_move_the_same_bytes(tmp_path, tiny_model_facto
         os.close(fd)
     assert files[0] == files[1] and len(paces) > len(files[0]) // (256 * 1024)
     (tmp_path / "seg.mxseg").write_bytes(files[1])
-    out = job.reply()
+    out = job.reply().to_wire()
     store = Store(tmp_path)
     store.refs = [SegmentRef("seg.mxseg", 0, out["position"], out["file_length"], out["header_crc"])]
     store.tag, store.saved_id = "t1", "s"

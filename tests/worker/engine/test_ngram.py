@@ -158,7 +158,7 @@ def test_ngram_sessions_checkpoint_like_plain_ones(tiny_model_factory, tmp_path)
         out = eng.finish_save(job, None)
     finally:
         os.close(fd)
-    assert out["position"] == checkpoint.position  # through the file channel, as a plain worker saves
+    assert out.position == checkpoint.position  # through the file channel, as a plain worker saves
 
 
 def test_configuration_errors_name_the_flag(tiny_model_factory):
