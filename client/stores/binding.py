@@ -23,6 +23,7 @@ from muxworker.transport.checkpoint import (
     CheckpointIncompatible,
     CheckpointNotFound,
     CheckpointTooLarge,
+    CheckpointWriteError,
     CPUCheckpoint,
     IdentityInputs,
 )
@@ -34,7 +35,8 @@ from muxworker.transport.checkpoint.blocks import (
     split_segment,
 )
 from muxworker.transport.checkpoint.container import FILE_VERSION, _identity_mismatch
-from muxworker.transport.checkpoint.file import assemble_checkpoint
+from muxworker.transport.checkpoint.errors import os_failure
+from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
 from muxworker.transport.checkpoint.manifest import SessionManifest, check_chain
 from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
 from muxworker.transport.errors import (  # noqa: F401  (the store's errors: local.py and objects.py raise them from here)
@@ -437,10 +439,44 @@ class StoreBinding:
         raise NotImplementedError
 
     def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
-        raise NotImplementedError
+        """Atomically replace ``session_id``'s saved checkpoint with ``checkpoint`` (host memory),
+        written whole as one segment, draft-model state included.
+
+        A checkpoint without an identity is stamped with the store's; one with another identity
+        raises :class:`CheckpointIncompatible`. Over ``max_bytes`` raises
+        :class:`CheckpointTooLarge`; disk full, a read-only file system or denied permission raise
+        :class:`CheckpointWriteError` with that ``reason``. On any failure the previous save stays
+        loadable."""
+        checkpoint = self.checked_for_save(checkpoint)
+        plan = self.begin_save(session_id)
+        plan.base = None  # a host checkpoint is written whole
+        try:
+            try:
+                written = write_checkpoint_segment(plan.fd, session_id, self.identity, checkpoint)
+            except OSError as e:
+                raise os_failure(
+                    CheckpointWriteError,
+                    e,
+                    f"cannot save session {session_id!r} (writing its segment)",
+                    after="; the previous file, if any, is unchanged",
+                ) from None
+        except BaseException:
+            self.abort_save(plan)
+            raise
+        self.commit_save(plan, written)
 
     def load(self, session_id: str) -> CPUCheckpoint:
-        raise NotImplementedError
+        """The verified checkpoint saved for ``session_id`` (host memory only): every header
+        against the manifest, the chain, the size limit, every payload's CRC.
+
+        Raises :class:`CheckpointNotFound`, :class:`CheckpointCorrupt`,
+        :class:`CheckpointIncompatible`, :class:`CheckpointTooLarge`, :class:`CheckpointUnsafePath`,
+        :class:`CheckpointReadError` or :class:`StoreUnavailable`."""
+        plan = self.begin_resume(session_id)
+        try:
+            return self.assemble(plan.manifest, plan.fds, f"session {session_id!r} in {self.location!r}")
+        finally:
+            plan.close()
 
     def info(self, session_id: str) -> SessionInfo:
         raise NotImplementedError
@@ -449,7 +485,8 @@ class StoreBinding:
         raise NotImplementedError
 
     def list(self) -> builtins.list[str]:
-        raise NotImplementedError
+        """Session ids with a saved manifest, sorted; unreadable ones are skipped."""
+        return [i.session_id for i in self.list_info()]
 
     def delete(self, session_id: str) -> bool:
         raise NotImplementedError

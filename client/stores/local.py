@@ -38,7 +38,6 @@ from muxworker.transport.checkpoint import (
     CheckpointNotFound,
     CheckpointReadError,
     CheckpointWriteError,
-    CPUCheckpoint,
     IdentityInputs,
     checkpoint_identity_inputs,
 )
@@ -47,7 +46,6 @@ from muxworker.transport.checkpoint.blocks import (
 )
 from muxworker.transport.checkpoint.container import _open_regular, _write_all, replace_file
 from muxworker.transport.checkpoint.errors import os_failure
-from muxworker.transport.checkpoint.file import write_checkpoint_segment
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
 from muxworker.transport.errors import InvalidArgument
@@ -316,25 +314,6 @@ class SessionStore(StoreBinding):
             os.close(dir_fd)
         raise AssertionError("unreachable")
 
-    def load(self, session_id: str) -> CPUCheckpoint:
-        """The verified checkpoint saved for ``session_id`` (host memory only).
-
-        Raises :class:`CheckpointNotFound`, :class:`CheckpointCorrupt`,
-        :class:`CheckpointIncompatible`, :class:`CheckpointTooLarge`, :class:`CheckpointUnsafePath`
-        or :class:`CheckpointReadError` (the system refused or failed the read).
-        """
-
-        self._check_bound("load a session")
-
-        def body(dir_fd: int, m: SessionManifest, fds: list[int]) -> CPUCheckpoint:
-            try:
-                return self.assemble(m, fds, str(self.path_for(session_id)))
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-        return self._with_segments(session_id, body)
-
     def begin_resume(self, session_id: str) -> ResumePlan:
         """Open and vet the files of ``session_id`` for a worker to restore from (the caller closes
         them with :meth:`ResumePlan.close`): the manifest is verified and bound to this store's
@@ -378,10 +357,6 @@ class SessionStore(StoreBinding):
             return manifest_info(m, st.st_size)
         finally:
             os.close(dir_fd)
-
-    def list(self) -> builtins.list[str]:
-        """Session ids with a saved file, sorted; temp files and unreadable files are skipped."""
-        return [i.session_id for i in self.list_info()]
 
     def list_info(self) -> builtins.list[SessionInfo]:
         """:class:`SessionInfo` of every saved session, sorted by id; unreadable ones are skipped
@@ -669,33 +644,6 @@ class SessionStore(StoreBinding):
             pass
         except OSError:
             pass  # a stray segment is what clean() removes; the published state is what counts
-
-    def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
-        """Atomically replace ``session_id``'s saved checkpoint with ``checkpoint`` (host memory).
-
-        A checkpoint without an identity is stamped with the store's; one with another identity
-        raises :class:`CheckpointIncompatible`. Over ``max_bytes`` raises
-        :class:`CheckpointTooLarge`; disk full, a read-only file system or denied permission raise
-        :class:`CheckpointWriteError` with that ``reason``. On any failure the previous save stays
-        loadable. Draft-model state is written with the rows.
-        """
-        checkpoint = self.checked_for_save(checkpoint)
-        plan = self.begin_save(session_id)
-        plan.base = None  # a host checkpoint is written whole
-        try:
-            try:
-                written = write_checkpoint_segment(plan.fd, session_id, self.identity, checkpoint)
-            except OSError as e:
-                raise os_failure(
-                    CheckpointWriteError,
-                    e,
-                    f"cannot save session {session_id!r} (writing its segment)",
-                    after="; the previous file, if any, is unchanged",
-                ) from None
-        except BaseException:
-            self.abort_save(plan)
-            raise
-        self.commit_save(plan, written)
 
     # -- removing -------------------------------------------------------------------------------
 

@@ -47,12 +47,10 @@ from muxworker.transport.checkpoint import (
     CheckpointReadError,
     CheckpointTooLarge,
     CheckpointWriteError,
-    CPUCheckpoint,
     IdentityInputs,
     checkpoint_identity_inputs,
 )
 from muxworker.transport.checkpoint.blocks import BLOCK_NAME, BLOCK_SUFFIX, DEFAULT_BLOCK_TOKENS, Piece
-from muxworker.transport.checkpoint.file import write_checkpoint_segment
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import InvalidArgument
@@ -324,16 +322,6 @@ class ObjectSessionStore(StoreBinding):
         m, fds = self._with_segments(session_id)
         return ResumePlan(session_id, fds, m)
 
-    def load(self, session_id: str) -> CPUCheckpoint:
-        """The verified checkpoint saved for ``session_id`` (host memory only)."""
-        self._check_bound("load a session")
-        m, fds = self._with_segments(session_id)
-        try:
-            return self.assemble(m, fds, f"{self.url}/{session_hash(session_id)}{SUFFIX}")
-        finally:
-            for fd in fds:
-                os.close(fd)
-
     # -- save -------------------------------------------------------------------------------------
 
     def begin_save(self, session_id: str) -> SavePlan:
@@ -491,18 +479,6 @@ class ObjectSessionStore(StoreBinding):
             os.close(plan.fd)
             plan.fd = -1
 
-    def save(self, session_id: str, checkpoint: CPUCheckpoint) -> None:
-        """Atomically replace ``session_id``'s saved checkpoint with ``checkpoint`` (host memory)."""
-        checkpoint = self.checked_for_save(checkpoint)
-        plan = self.begin_save(session_id)
-        plan.base = None  # a host checkpoint is written whole
-        try:
-            written = write_checkpoint_segment(plan.fd, session_id, self.identity, checkpoint)
-        except BaseException:
-            self.abort_save(plan)
-            raise
-        self.commit_save(plan, written)
-
     # -- listing and removing ---------------------------------------------------------------------
 
     def _names(self) -> builtins.list[tuple[str, int]]:
@@ -541,9 +517,6 @@ class ObjectSessionStore(StoreBinding):
                 continue
             out.append(manifest_info(m, size))
         return sorted(out, key=lambda i: i.session_id)
-
-    def list(self) -> builtins.list[str]:
-        return [i.session_id for i in self.list_info()]
 
     def delete(self, session_id: str) -> bool:
         """Remove ``session_id``'s manifest, then its segments; return whether one existed."""
