@@ -26,7 +26,7 @@ if __name__ == "__main__":
         os.setpgid(0, 0)
     if not {"-h", "--help"} & set(sys.argv[1:]):  # --help is for a person: keep it on stdout
         _stdout_to_stderr()
-    from muxworker.worker.server import main
+    from muxworker.worker.startup import main
 
     code = main()
     # Everything is settled and sent: skip interpreter teardown (torch's can take a second), so the

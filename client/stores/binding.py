@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -198,6 +199,13 @@ _WORKER_FACTS = {
 
 def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def seconds(name: str, value: Any) -> float:
+    """``value`` as a number of seconds >= 0, or InvalidArgument naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise InvalidArgument(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def session_hash(session_id: str) -> str:
@@ -490,6 +498,15 @@ class StoreBinding:
 
     def delete(self, session_id: str) -> bool:
         raise NotImplementedError
+
+    def prune(self, older_than: float, *, now: float | None = None) -> builtins.list[str]:
+        """Delete every session last saved more than ``older_than`` seconds ago; return their ids."""
+        cutoff = (time.time() if now is None else now) - seconds("older_than", older_than)
+        return [i.session_id for i in self.list_info() if i.saved < cutoff and self.delete(i.session_id)]
+
+    def nbytes(self, session_id: str) -> int:
+        """Bytes ``session_id``'s manifest and segments take (its shared blocks not counted)."""
+        return self.info(session_id).nbytes
 
     def clean(self, *, older_than: float) -> CleanResult:
         """Remove what no saved session names (segments killed writers left, blocks no session

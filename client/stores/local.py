@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import errno
 import fcntl
 import os
 import secrets
 import stat
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ from muxworker.transport.checkpoint.container import _open_regular, _write_all, 
 from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
-from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.messages import SaveFileReply
 
 from .binding import (
@@ -66,12 +64,13 @@ from .binding import (
     SavePlan,
     SessionInfo,
     StoreBinding,
-    StoreBusy,
     StorePermissionError,
     StoreUnavailable,
     manifest_info,
+    seconds,
     session_hash,
 )
+from .directory import flock, locked, open_dir, prepare_directory, reading_manifest, remove_tree
 
 __all__ = ["SessionStore"]
 
@@ -108,7 +107,7 @@ class SessionStore(StoreBinding):
         )
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.location = str(self.path)
-        self._prepare_directory()
+        prepare_directory(self.path)
 
     @classmethod
     def inspect(cls, path: str | os.PathLike) -> SessionStore:
@@ -173,80 +172,16 @@ class SessionStore(StoreBinding):
     def __repr__(self) -> str:
         return f"SessionStore({str(self.path)!r}, identity={self.identity[:12]}...)"
 
-    # -- directory ------------------------------------------------------------------------------
-
-    def _prepare_directory(self) -> None:
-        try:
-            os.makedirs(self.path.parent, exist_ok=True)
-            os.mkdir(self.path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise os_failure(CheckpointWriteError, e, f"cannot create the store directory {str(self.path)!r}") from None
-        else:
-            # mkdir's mode is masked by the umask; make it exactly 0700.
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                os.fchmod(fd, 0o700)
-            finally:
-                os.close(fd)
-        os.close(self._open_dir())
+    # -- the directory (directory.py) ------------------------------------------------------------
 
     def _open_dir(self) -> int:
-        """An fd of the store directory after checking it is safe; every operation goes through it."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise StorePermissionError(f"store path {str(self.path)!r} is a symlink or not a directory") from None
-            raise StorePermissionError(f"store directory {str(self.path)!r} is unusable: {e}") from None
-        try:
-            st = os.fstat(fd)
-            if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-                raise StorePermissionError(
-                    f"store directory {str(self.path)!r} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
-                )
-            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise StorePermissionError(
-                    f"store directory {str(self.path)!r} has mode {stat.filemode(st.st_mode)}: "
-                    "it must not be writable by group or others (use chmod 0700)"
-                )
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return open_dir(self.path)
 
-    # -- what the worker runs -------------------------------------------------------------------
-
-    # -- locks ---------------------------------------------------------------------------------
-
-    @contextmanager
-    def _locked(self, dir_fd: int, name: str, mode: int) -> Iterator[int]:
-        fd = self._flock(dir_fd, name, mode)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
+    def _locked(self, dir_fd: int, name: str, mode: int) -> AbstractContextManager[int]:
+        return locked(self.path, dir_fd, name, mode)
 
     def _flock(self, dir_fd: int, name: str, mode: int) -> int:
-        """An fd of lock file ``name`` holding ``flock(mode)`` (closing the fd releases it)."""
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            try:
-                fd = os.open(name, flags, dir_fd=dir_fd)
-            except FileNotFoundError:
-                fd = os.open(name, flags | os.O_CREAT, 0o600, dir_fd=dir_fd)
-        except OSError as e:
-            raise os_failure(CheckpointWriteError, e, f"cannot open the store's lock file {name!r}") from None
-        try:
-            fcntl.flock(fd, mode)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreBusy(f"another process is writing to the session store {str(self.path)!r}") from None
-        except OSError as e:
-            os.close(fd)
-            raise os_failure(CheckpointWriteError, e, f"cannot lock the store's lock file {name!r}") from None
-        return fd
+        return flock(self.path, dir_fd, name, mode)
 
     # -- reading what is saved --------------------------------------------------------------------
 
@@ -261,7 +196,7 @@ class SessionStore(StoreBinding):
     def _read_saved(self, dir_fd: int, name: str) -> SessionManifest:
         """The session manifest in the file ``name`` (a file of version 1 or 2 raises
         CheckpointIncompatible naming ``migrate``); checks nothing else."""
-        with _reading_manifest(name):
+        with reading_manifest(name):
             fd, _ = _open_regular(name, dir_fd)
             try:
                 return read_session_manifest(fd, name)
@@ -272,7 +207,7 @@ class SessionStore(StoreBinding):
         """The verified manifest of ``session_id``; raises CheckpointNotFound, CheckpointCorrupt
         (another session's file), CheckpointIncompatible or StoreUnavailable (the system failed the read)."""
         name = session_hash(session_id) + SUFFIX
-        with _reading_manifest(name):
+        with reading_manifest(name):
             try:
                 fd, _ = _open_regular(name, dir_fd)
             except CheckpointNotFound:
@@ -347,7 +282,7 @@ class SessionStore(StoreBinding):
         try:
             name = session_hash(session_id) + SUFFIX
             try:
-                with _reading_manifest(name):
+                with reading_manifest(name):
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 raise self._not_found(session_id) from None
@@ -670,7 +605,7 @@ class SessionStore(StoreBinding):
                         pass  # damaged, foreign or unreadable: what it names goes with clean()
                 try:
                     if stat.S_ISDIR(st.st_mode):
-                        _remove_tree(dir_fd, name)
+                        remove_tree(dir_fd, name)
                     else:
                         os.unlink(name, dir_fd=dir_fd)
                 except FileNotFoundError:
@@ -687,17 +622,6 @@ class SessionStore(StoreBinding):
         finally:
             os.close(dir_fd)
 
-    def prune(self, older_than: float, *, now: float | None = None) -> builtins.list[str]:
-        """Delete every session last saved more than ``older_than`` seconds ago; return their ids."""
-        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
-            raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
-        cutoff = (time.time() if now is None else now) - older_than
-        gone = []
-        for info in self.list_info():
-            if info.saved < cutoff and self.delete(info.session_id):
-                gone.append(info.session_id)
-        return gone
-
     def clean(self, *, older_than: float = 0.0) -> CleanResult:
         """Remove what killed writers left behind, temporary files and segments no manifest
         names, and the shared blocks no manifest names any more (their sessions were deleted or
@@ -708,9 +632,7 @@ class SessionStore(StoreBinding):
         it cannot read protects what it may name (:meth:`survey`): its session's segments, and
         every block. Returns (the names removed, their bytes), and what was kept for manifests it
         could not read (:class:`CleanResult`)."""
-        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
-            raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
-        cutoff = time.time() - older_than
+        cutoff = time.time() - seconds("older_than", older_than)
         dir_fd = self._open_dir()
         try:
             with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
@@ -745,37 +667,3 @@ class SessionStore(StoreBinding):
         finally:
             os.close(dir_fd)
         return [self.path_for(session_id), *(self.path / r.name for r in (m.segments if m is not None else []))]
-
-    def nbytes(self, session_id: str) -> int:
-        """Bytes ``session_id`` takes on disk (manifest and segments)."""
-        return self.info(session_id).nbytes
-
-
-def _remove_tree(parent_fd: int, name: str) -> None:
-    """Remove the directory ``name`` in ``parent_fd`` and everything in it, following no symlink."""
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
-    try:
-        for entry in os.listdir(fd):
-            if stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
-                _remove_tree(fd, entry)
-            else:
-                os.unlink(entry, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
-
-
-@contextmanager
-def _reading_manifest(name: str) -> Iterator[None]:
-    """The system failing a manifest's read (an I/O or permission error) raises StoreUnavailable:
-    the session is not known to be damaged, and a later read may succeed. A file that does not
-    exist is let through (FileNotFoundError, CheckpointNotFound), as is every other error."""
-    try:
-        yield
-    except CheckpointReadError as e:
-        raise StoreUnavailable(f"{e}; the saved session is not known to be damaged") from None
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        failure = os_failure(CheckpointReadError, e, f"cannot read {name!r}")
-        raise StoreUnavailable(f"{failure}; the saved session is not known to be damaged") from None

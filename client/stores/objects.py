@@ -70,6 +70,7 @@ from .binding import (
     StorePermissionError,
     StoreUnavailable,
     manifest_info,
+    seconds,
     session_hash,
 )
 
@@ -553,9 +554,7 @@ class ObjectSessionStore(StoreBinding):
         collector read the manifests was checked at most r/2 before, so it is younger than
         r + r/2 + G/4 < G at any deletion: it stays (given clocks within a few minutes of the
         store's, at the default r of 30 minutes)."""
-        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
-            raise InvalidArgument(f"older_than must be a number of seconds >= 0, got {older_than!r}")
-        block_age = max(older_than, 2 * self.block_refresh)
+        block_age = max(seconds("older_than", older_than), 2 * self.block_refresh)
         began = time.time()
         sizes = dict(self._names())
         survey = self.survey(sorted(n for n in sizes if MANIFEST_NAME.fullmatch(n)), self._read_listed)
