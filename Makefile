@@ -30,7 +30,7 @@ setup: $(PY)
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# The inner loop: everything but the end-to-end tests on the bundled model (marked slow).
+# The inner loop: unit, in-process and fake-worker tests; those marked slow start real processes.
 test-fast: $(PY)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
