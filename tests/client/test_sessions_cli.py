@@ -209,7 +209,8 @@ def test_migrate_converts_version_1_and_2_files_once_and_they_load_as_saved(tmp_
     with pytest.raises(CheckpointIncompatible, match="sessions DIR migrate"):
         stores[2].load("plain")
     assert stores[2].list() == []  # unreadable, so not listed; clean keeps it (it protects its files)
-    assert cli(stores[2].path, "clean").returncode == 1
+    clean = cli(stores[2].path, "clean")
+    assert clean.returncode == 1 and "sessions DIR migrate" in clean.stderr  # the collector says what to do
     for version in (1, 2):
         out = cli(root / f"store-v{version}", "migrate")
         assert out.returncode == 0, out.stderr

@@ -277,17 +277,6 @@ def _expect_map(value: Any, where: str) -> dict:
     return value
 
 
-def _expect_keys(m: dict, where: str, keys: set[str]) -> None:
-    if m.keys() == keys:
-        return
-    missing = keys - m.keys()
-    if missing:
-        raise CheckpointMalformed(f"{where} lacks {sorted(missing)}")
-    extra = m.keys() - keys
-    if extra:
-        raise CheckpointMalformed(f"{where} has unexpected fields {sorted(map(str, extra))}")
-
-
 def _check_extras(m: dict, where: str, known: set[str]) -> None:
     """Unknown fields of format/geometry may carry scalars (room for later backends), nothing else."""
     for key, value in m.items():
