@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from muxworker.transport.errors import ProtocolError, WorkerStartupError
-from muxworker.transport.fdio import WorkerPipes
+from muxworker.transport.fdio import WorkerPipes, flags_of
 from muxworker.transport.fdpass import FileChannelPair
 from muxworker.transport.messages import WorkerInfo
 from muxworker.transport.schema import check_hello
@@ -47,13 +47,7 @@ def default_worker_command(model: str | os.PathLike[str] | None = None, **flags:
     command = [sys.executable, "-m", "muxworker.worker"]
     if model is not None:
         command += ["--model", os.fspath(model)]
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        command.append(f"--{name}")
-        if value is not True:
-            command.append(str(value))
-    return command
+    return command + flags_of(**flags)
 
 
 def heartbeat_args(liveness_timeout: float | None) -> list[str]:

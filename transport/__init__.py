@@ -5,9 +5,9 @@ A frame is a fixed little-endian header, a msgpack control map and zero or more 
 :class:`FdFrameWriter`), the client the trio end (:class:`TrioFrameReader`,
 :class:`TrioFrameWriter`); :func:`validate` checks every message kind against one table, and
 :mod:`.errors` holds the error classes and the one table of their codes (:data:`ERRORS`: who sends
-each, and its HTTP status). :mod:`.messages` holds the typed contracts (generate request, result,
-hello) that the schema is checked against, and :mod:`.checkpoint` the checkpoint's data model, wire
-codec, file format and identity.
+each, and its HTTP status). :mod:`.messages` holds the typed contracts (every request, the result,
+the hello) that the schema is checked against, and :mod:`.checkpoint` the checkpoint's data model,
+file format and identity.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ __all__ = [
     "WorkerPipes",
     "worker_fd_args",
     "worker_fds",
+    "flags_of",
 ]
 
 PIPE_SIZE = 1 * MiB
@@ -40,6 +41,20 @@ try:
     _IOV_MAX = max(2, min(os.sysconf("SC_IOV_MAX"), 1024))
 except (AttributeError, ValueError, OSError):  # pragma: no cover - not Linux/macOS
     _IOV_MAX = 16
+
+
+def flags_of(**flags: Any) -> list[str]:
+    """Keyword flags as the worker's command line spells them (one rule for every caller that
+    builds one): ``max_sessions=2`` is ``--max_sessions 2``; True is the bare flag; None and False
+    are left out."""
+    out: list[str] = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        out.append(f"--{name}")
+        if value is not True:
+            out.append(str(value))
+    return out
 
 
 def _wait(fd: int, events: int) -> None:

@@ -15,23 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from muxworker.transport.fdio import flags_of
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
 from muxworker.worker.options import WorkerOptions, parse_args
 
 __all__ = ["WorkerSpec", "flags_of"]
-
-
-def flags_of(**flags: Any) -> list[str]:
-    """Keyword flags as the command line spells them: ``max_sessions=2`` is ``--max_sessions 2``;
-    True is the bare flag; None and False are left out."""
-    out: list[str] = []
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        out.append(f"--{name}")
-        if value is not True:
-            out.append(str(value))
-    return out
 
 
 @dataclass(frozen=True)
