@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .app import AppConfig, create_app
 from .metrics import ServerMetrics
-from .service import ModelService, SavePolicy, ServiceConfig, Tenant
+from .service import ModelService, SavePolicy, ServiceConfig
+from .tenants import Tenant
 
 __all__ = ["AppConfig", "create_app", "ModelService", "SavePolicy", "ServiceConfig", "ServerMetrics", "Tenant"]

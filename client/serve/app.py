@@ -34,7 +34,8 @@ from muxworker.transport.errors import MuxError
 from . import openai_api as oa
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .policy import HttpPolicy
-from .service import ModelService, SavePolicy, Tenant, internal_id, session_object
+from .service import ModelService, SavePolicy, session_object
+from .tenants import Tenant, internal_id
 
 __all__ = ["AppConfig", "SESSION_HEADER", "SAVE_ERROR_HEADER", "create_app", "read_body"]
 

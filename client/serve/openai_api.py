@@ -22,7 +22,7 @@ from muxworker.client.params import GenerationParams, GenerationResult
 from muxworker.transport.errors import InvalidArgument, error_code_of
 from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
-from .service import TenantQuotaExceeded
+from .tenants import TenantQuotaExceeded
 
 __all__ = [
     "APIError",

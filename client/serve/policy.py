@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from . import openai_api as oa
-from .service import Tenant
+from .tenants import Tenant
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "HttpPolicy", "LOOPBACK_NAMES", "is_loopback", "startup_problem"]
 

@@ -14,12 +14,11 @@ Owner: the server's trio thread; everything runs in one event loop with the trio
 from __future__ import annotations
 
 import enum
-import hashlib
 import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -41,6 +40,7 @@ from muxworker.worker.models.tokenizer import ChatTemplateError, Tokenizer
 from muxworker.worker.spec import WorkerSpec
 
 from .metrics import ServerMetrics
+from .tenants import Tenant, TenantQuotaExceeded, _Usage
 
 __all__ = [
     "ModelService",
@@ -48,10 +48,8 @@ __all__ = [
     "SavePolicy",
     "ServiceConfig",
     "SessionRecord",
-    "Tenant",
-    "TenantQuotaExceeded",
-    "internal_id",
 ]
+
 
 log = logging.getLogger("muxworker.serve")
 
@@ -75,14 +73,6 @@ class ServiceConfig:
     #: the age below which nothing is collected (a save in progress is younger). 0: never.
     collect_interval_s: float = 3600.0
     collect_older_than_s: float = 3600.0
-
-
-class TenantQuotaExceeded(Exception):
-    """A tenant reached its limit on sessions (``kind="sessions"``) or store bytes (``"bytes"``)."""
-
-    def __init__(self, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass
@@ -115,43 +105,6 @@ class SaveOutcome:
     saved: bool
     tokens: int | None = None
     error: str | None = None
-
-
-@dataclass
-class _Usage:
-    """A tenant's named sessions and the store bytes of each, from a listing (see
-    ``ModelService._tenant_usage``) and this server's saves since."""
-
-    sessions: dict[str, int] = field(default_factory=dict)  # internal id -> store bytes
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sessions.values())
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """Whose request this is: a name derived from the API key, or ``local`` without keys."""
-
-    name: str
-
-    @classmethod
-    def of_key(cls, key: str | None) -> Tenant:
-        if key is None:
-            return cls("local")
-        return cls("k" + hashlib.sha256(key.encode()).hexdigest()[:16])
-
-    @property
-    def prefix(self) -> str:
-        return self.name + "/"
-
-    def cache_salt(self, salt: str | None) -> str:
-        """The worker's prefix-cache namespace: the tenant, then the request's own salt."""
-        return self.name if salt is None else f"{self.name}:{salt}"
-
-
-def internal_id(tenant: Tenant, session_id: str) -> str:
-    return tenant.prefix + session_id
 
 
 _POLL_S = 0.25  # how often the supervisor checks the worker between requests

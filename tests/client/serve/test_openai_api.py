@@ -27,7 +27,7 @@ from muxworker.client import (
     WorkerDiedError,
 )
 from muxworker.serve import openai_api as oa
-from muxworker.serve.service import TenantQuotaExceeded
+from muxworker.serve.tenants import TenantQuotaExceeded
 from muxworker.transport.checkpoint.errors import CheckpointMalformed, os_failure
 from muxworker.transport.errors import ERRORS
 
