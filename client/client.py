@@ -59,7 +59,7 @@ from muxworker.transport.prompt import SpecialText
 from muxworker.transport.schema import MAX_SESSION_ID_BYTES
 
 from .connection import LOSS_SETTLE_S, Connection, Request, fresh
-from .params import ChatPrompt, params_to_wire
+from .params import ChatPrompt, check_params
 from .process import WorkerProcess, default_worker_command, heartbeat_args
 from .sessions import (
     CheckpointQueue,
@@ -361,7 +361,8 @@ class MultiplexedWorkerClient:
         alone exceed the worker's max_session_tokens (before converting them: 16M of them would
         hold this trio thread for seconds).
         """
-        session_id, fields = params_to_wire(params)
+        checked = check_params(params)
+        session_id, fields = checked.session_id, dict(checked.fields)
         salt = fields.pop("cache_salt", None)  # not a sampling field
         _check_session_id(session_id)
         room = self.info.limits.get("max_session_tokens") if self.info is not None else None

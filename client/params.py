@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,8 @@ _D = SamplingFields()  # the one definition of every sampling default (transport
 
 __all__ = [
     "GenerationParams",
+    "CheckedParams",
+    "check_params",
     "GenerationResult",
     "RuntimeGenerationResult",
     "RESULT_FIELDS",
@@ -101,10 +103,31 @@ _INT_FIELDS = ("max_new_tokens", "top_k")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
-    """``(session_id, generate fields)`` of a params object. Only attributes present are sent, so
-    the worker's defaults apply to the rest; types are normalized (numpy scalars, tuples) and
-    checked here, raising :class:`InvalidArgument` naming the field; value ranges are the worker's."""
+@dataclass(frozen=True)
+class CheckedParams:
+    """Generation parameters checked once, where they entered (:func:`check_params`): the
+    session id and the ``generate`` fields to send (sampling fields and ``cache_salt``). Every
+    later layer (the runtime, the client) passes it on as it is; the worker checks the ranges of
+    what arrives on its wire (transport/sampling.py), as it must for any peer."""
+
+    session_id: str
+    fields: Mapping[str, Any]
+
+    def for_session(self, session_id: str, cache_salt: str | None = None) -> CheckedParams:
+        """The same parameters for ``session_id`` (and, when given, that prefix-cache salt)."""
+        fields = dict(self.fields)
+        if cache_salt is not None:
+            fields["cache_salt"] = cache_salt
+        return CheckedParams(session_id, fields)
+
+
+def check_params(params: Any) -> CheckedParams:
+    """A params object (:class:`GenerationParams` or any object with its attributes), checked:
+    only attributes present are sent, so the worker's defaults apply to the rest; types are
+    normalized (numpy scalars, tuples) and checked, raising :class:`InvalidArgument` naming the
+    field. A :class:`CheckedParams` is returned as it is."""
+    if isinstance(params, CheckedParams):
+        return params
     try:
         session_id = params.session_id
     except AttributeError:
@@ -144,7 +167,7 @@ def params_to_wire(params: Any) -> tuple[str, dict[str, Any]]:
         if not isinstance(salt, str):
             raise InvalidArgument(f"cache_salt must be a str or None, got {salt!r:.200}")
         fields["cache_salt"] = salt
-    return session_id, fields
+    return CheckedParams(session_id, fields)
 
 
 def _int(name: str, value: Any) -> int:

@@ -66,7 +66,7 @@ from muxworker.transport.errors import (
 )
 
 from .client import DEFAULT_STREAM_BUFFER, MultiplexedWorkerClient
-from .params import RuntimeGenerationResult, params_to_wire
+from .params import CheckedParams, RuntimeGenerationResult, check_params
 from .runtime_ops import RuntimeStream, _fresh, _Op, _State
 from .sessions import SaveResult
 
@@ -446,8 +446,11 @@ class SessionRuntime:
         given = getattr(params, "session_id", None)
         if given is not None and not (isinstance(given, str) and given == session_id):
             raise InvalidArgument(f"params.session_id is {given!r} but the generation is for session {session_id!r}")
-        params_to_wire(_SessionParams(params, session_id))  # bad params fail here, not in the stream
-        stream = RuntimeStream(self, session_id, prompt, _SessionParams(params, session_id), DEFAULT_STREAM_BUFFER)
+        if isinstance(params, CheckedParams):
+            checked = params.for_session(session_id)
+        else:
+            checked = check_params(_SessionParams(params, session_id))  # bad params fail here, once
+        stream = RuntimeStream(self, session_id, prompt, checked, DEFAULT_STREAM_BUFFER)
         op = self._admit(session_id, stream._pump)
         op.on_settle = stream._send.close  # ends iteration, whether or not the generation ran
         op.cancel = stream.cancel

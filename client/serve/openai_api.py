@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from muxworker.client.params import GenerationParams, GenerationResult
+from muxworker.client.params import CheckedParams, GenerationResult
 from muxworker.transport.errors import InvalidArgument, error_code_of
 from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
@@ -182,7 +182,7 @@ class _Common:
     model: str | None
     stream: bool
     include_usage: bool
-    params: GenerationParams  # session_id is filled in by the server
+    params: CheckedParams  # checked here, once; the session id and salt are the server's to set
     session_id: str | None
     cache_salt: str | None
 
@@ -308,13 +308,12 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_request(f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
-    # GenerationParams' fields are SamplingFields' (one definition, transport/sampling.py).
-    params = GenerationParams(
-        session_id="",
-        **{name: getattr(fields, name) for name in SAMPLING_FIELD_NAMES if name != "stop_token_ids"},
-        # vLLM's extension, for benchmarks: run to max_tokens past the model's end-of-turn tokens.
-        stop_token_ids=[] if ignore_eos else None,
-    )
+    # The sampling fields as SamplingFields checked them (one definition, transport/sampling.py);
+    # stop_token_ids only for vLLM's ignore_eos (benchmarks: run to max_tokens past the end of turn).
+    sampled = {name: getattr(fields, name) for name in SAMPLING_FIELD_NAMES if name != "stop_token_ids"}
+    if ignore_eos:
+        sampled["stop_token_ids"] = []
+    params = CheckedParams("", sampled)
     return _Common(served_model, stream, include_usage, params, session_id, salt)
 
 

@@ -18,13 +18,13 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from muxworker.client.client import MultiplexedWorkerClient, spawn_multiplexed_worker
-from muxworker.client.params import GenerationParams, GenerationResult
+from muxworker.client.params import CheckedParams, GenerationResult
 from muxworker.client.runtime import RuntimeStream, SessionRuntime
 from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
 from muxworker.transport.checkpoint import CheckpointNotFound
@@ -632,12 +632,12 @@ class ModelService:
         return await trio.to_thread.run_sync(render)
 
     def generate(
-        self, sid: str, prompt: str | list[int], params: GenerationParams, cache_salt: str
+        self, sid: str, prompt: str | list[int], params: CheckedParams, cache_salt: str
     ) -> tuple[RuntimeStream, SessionRuntime]:
         """Admit the generation at once (CapacityExhausted beyond the capacity); returns its stream
         and the runtime that runs it (for :meth:`after_turn` and :meth:`release_ephemeral`)."""
         _, runtime = self._live()
-        return runtime.generate(sid, prompt, replace(params, session_id=sid, cache_salt=cache_salt)), runtime
+        return runtime.generate(sid, prompt, params.for_session(sid, cache_salt)), runtime
 
 
 _USAGE_TTL_S = 30.0

@@ -58,7 +58,7 @@ from muxworker.client.client import (
     _prompt_segments,
     _token_array,
 )
-from muxworker.client.params import ChatPrompt, GenerationResult, ModelInfo, WorkerInfo, params_to_wire
+from muxworker.client.params import ChatPrompt, GenerationResult, ModelInfo, WorkerInfo, check_params
 from muxworker.client.sessions import SaveResult
 from muxworker.transport.errors import (
     CapacityExhausted,
@@ -514,7 +514,8 @@ class FakeWorkerClient(MultiplexedWorkerClient):
         await self._call("reset", {"session_id": session_id})
 
     def generate(self, prompt: Any, params: Any) -> FakeStream:  # type: ignore[override]
-        session_id, fields = params_to_wire(params)
+        checked = check_params(params)
+        session_id, fields = checked.session_id, dict(checked.fields)
         fields.pop("cache_salt", None)
         _check_session_id(session_id)
         room = self.info.limits["max_session_tokens"]

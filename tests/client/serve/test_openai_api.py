@@ -50,10 +50,11 @@ def test_defaults_follow_openai():
     r = chat()
     assert not r.stream and not r.include_usage and r.session_id is None and r.cache_salt is None
     # OpenAI's defaults: temperature 1, top_p 1, no length limit but the context.
-    assert r.params.temperature == 1.0 and r.params.top_p == 1.0 and r.params.max_new_tokens == -1
+    p = r.params.fields
+    assert p["temperature"] == 1.0 and p["top_p"] == 1.0 and p["max_new_tokens"] == -1
     assert r.messages == [{"role": "user", "content": "hi"}]
-    assert r.params.stop_token_ids is None  # the model's end-of-turn tokens
-    assert chat(ignore_eos=True).params.stop_token_ids == []
+    assert "stop_token_ids" not in p  # the worker's default: the model's end-of-turn tokens
+    assert chat(ignore_eos=True).params.fields["stop_token_ids"] == []
 
 
 def test_fields_map_to_generation_params():
@@ -73,9 +74,9 @@ def test_fields_map_to_generation_params():
         user="ignored",
         prompt_cache_key="ignored too",
     )
-    p = r.params
-    assert (p.temperature, p.top_p, p.max_new_tokens, list(p.stop), p.seed) == (0.0, 0.5, 9, ["\n"], 3)
-    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5)
+    p = r.params.fields
+    assert (p["temperature"], p["top_p"], p["max_new_tokens"], list(p["stop"]), p["seed"]) == (0.0, 0.5, 9, ["\n"], 3)
+    assert (p["presence_penalty"], p["frequency_penalty"]) == (0.5, -0.5)
     assert r.stream and r.include_usage and r.session_id == "s-1" and r.cache_salt == "salt"
 
 
