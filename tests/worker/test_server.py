@@ -11,7 +11,6 @@ in the fast tier.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import select
 import signal
@@ -25,11 +24,8 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from helpers.raw_worker import HANG_GUARD_S, WORKER, RawWorker, generate_frame, worker_args
 
-from muxworker.transport.checkpoint.file import assemble_checkpoint
-from muxworker.transport.checkpoint.segments import read_segment_header
-from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
-from muxworker.transport.fdpass import FileChannelPair, send_files
 from muxworker.transport.framing import (
     HEADER_SIZE,
     MAGIC,
@@ -42,137 +38,10 @@ from muxworker.transport.framing import (
 from muxworker.worker.models.defaults import auto_dtype
 from muxworker.worker.server import EXIT_INTERNAL, EXIT_OK, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE
 
-WORKER = [sys.executable, "-m", "muxworker.worker"]
-HANG_GUARD_S = 60.0  # generous: the machine is shared; a timeout here means a hang, not slowness
-
-
-class RawWorker:
-    """A worker subprocess with the test holding the other ends of its two protocol pipes."""
-
-    def __init__(
-        self,
-        args: list[str],
-        tmp_path: Path,
-        *,
-        hello: bool = True,
-        command: list[str] = WORKER,
-        pass_fds: tuple[int, ...] = (),
-    ):
-        control_read, self.control_write = os.pipe()
-        self.reply_read, reply_write = os.pipe()
-        self.stderr_path = tmp_path / f"worker-{id(self)}.stderr"
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [*command, *args, "--control-fd", str(control_read), "--reply-fd", str(reply_write)],
-                pass_fds=(control_read, reply_write, *pass_fds),
-                stdin=subprocess.DEVNULL,
-                stdout=err,
-                stderr=err,
-            )
-        os.close(control_read)
-        os.close(reply_write)
-        self.reader = FdFrameReader(self.reply_read)
-        self.writer = FdFrameWriter(self.control_write)
-        self.hello = self.read() if hello else None
-
-    def read(self, timeout: float = HANG_GUARD_S) -> Frame | None:
-        """The next frame (None at EOF); fails instead of hanging."""
-
-        def on_alarm(signum: int, frame: object) -> None:
-            raise TimeoutError
-
-        # An alarm rather than select(): the reader may already hold the next frames in its buffer.
-        previous = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            return self.reader.read()
-        except TimeoutError:
-            pytest.fail(f"no frame from the worker within {timeout}s; stderr:\n{self.stderr()}")
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-    def send(self, control: dict, payloads: list | None = None) -> None:
-        self.writer.write(Frame(control, payloads or []))
-
-    def send_raw(self, data: bytes) -> None:
-        os.write(self.control_write, data)
-
-    def close_control(self) -> None:
-        self.writer.close()
-
-    def wait(self, timeout: float = HANG_GUARD_S) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"the worker did not exit within {timeout}s; stderr:\n{self.stderr()}")
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def collect(self, *rids: int) -> dict[int, tuple[list[Frame], Frame]]:
-        """Read until every request in ``rids`` has its final frame: {rid: (token frames, final frame)}.
-
-        Frames of other requests are kept for a later call, so interleaved outputs can be checked.
-        """
-        want = set(rids)
-        done: dict[int, tuple[list[Frame], Frame]] = {}
-        for rid in list(want):
-            if rid in self._finals:
-                done[rid] = (self._tokens.pop(rid, []), self._finals.pop(rid))
-        while want - done.keys():
-            frame = self.read()
-            assert frame is not None, f"EOF while waiting for {sorted(want - done.keys())}; stderr:\n{self.stderr()}"
-            rid = frame.control.get("id")
-            if frame.control["kind"] == "token":
-                self._tokens.setdefault(rid, []).append(frame)
-            elif rid in want:
-                done[rid] = (self._tokens.pop(rid, []), frame)
-            else:
-                self._finals[rid] = frame
-        return done
-
-    def final(self, rid: int) -> dict:
-        """The control map of request ``rid``'s final frame."""
-        return self.collect(rid)[rid][1].control
-
-    def __enter__(self) -> RawWorker:
-        self._tokens: dict[int, list[Frame]] = {}
-        self._finals: dict[int, Frame] = {}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.reader.close()
-        self.writer.close()
-
-
-def _generate(rid: int, sid: str, ids: list[int], max_new_tokens: int = 8, **extra) -> tuple[dict, list]:
-    payloads: list = []
-    ref = attach_payload(payloads, np.asarray(ids, dtype=np.int32))
-    control = {
-        "kind": "generate",
-        "id": rid,
-        "session_id": sid,
-        "prompt": [{"tokens": ref}],
-        "max_new_tokens": max_new_tokens,
-        "temperature": 0.0,
-        "stop_token_ids": [],
-        **extra,
-    }
-    return control, payloads
-
 
 @pytest.fixture(scope="module")
 def model(tiny_model_factory) -> str:
     return str(tiny_model_factory("llama"))
-
-
-def _args(model: str, *extra: str) -> list[str]:
-    return ["--model", model, "--max_session_tokens", "256", *extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,7 +50,7 @@ def _args(model: str, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_hello_describes_model_backend_and_limits(model, tmp_path):
-    with RawWorker(_args(model, "--max_sessions", "3", "--seed", "7"), tmp_path) as w:
+    with RawWorker(worker_args(model, "--max_sessions", "3", "--seed", "7"), tmp_path) as w:
         hello = w.hello.control
         assert hello["kind"] == "hello"
         assert hello["protocol"] == list(PROTOCOL_VERSION)
@@ -239,7 +108,7 @@ def test_help_explains_every_flag():
     ],
 )
 def test_invalid_flags_fail_at_start_with_a_message(model, tmp_path, flags, message):
-    with RawWorker(_args(model, *flags), tmp_path, hello=False) as w:
+    with RawWorker(worker_args(model, *flags), tmp_path, hello=False) as w:
         frame = w.read()
         assert frame is not None and frame.control["kind"] == "error"
         assert frame.control["id"] == 0 and frame.control["code"] == "invalid_argument"
@@ -278,13 +147,13 @@ def test_load_failure_sends_an_error_frame_and_exits_nonzero(model, tmp_path, fl
 
 
 def test_requests_are_answered_and_outputs_stay_in_order(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         w.send({"kind": "open", "id": 2, "session_id": "b"})
         assert w.final(1) == {"kind": "ok", "id": 1}
         assert w.final(2) == {"kind": "ok", "id": 2}
-        w.send(*_generate(3, "a", [5, 6, 7], max_new_tokens=12))
-        w.send(*_generate(4, "b", [8, 9], max_new_tokens=6))
+        w.send(*generate_frame(3, "a", [5, 6, 7], max_new_tokens=12))
+        w.send(*generate_frame(4, "b", [8, 9], max_new_tokens=6))
         out = w.collect(3, 4)
         for rid, n in ((3, 12), (4, 6)):
             tokens, done = out[rid]
@@ -301,7 +170,7 @@ def test_requests_are_answered_and_outputs_stay_in_order(model, tmp_path):
 
 @pytest.mark.slow
 def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": 42})  # wrong type
         error = w.final(1)
         assert error["kind"] == "error" and error["code"] == "invalid_argument"
@@ -314,9 +183,9 @@ def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model,
         assert w.final(4)["code"] == "session_not_found"
         w.send({"kind": "open", "id": 5, "session_id": "a"})
         assert w.final(5)["kind"] == "ok"
-        w.send(*_generate(6, "a", [1, 2], max_new_tokens=0))
+        w.send(*generate_frame(6, "a", [1, 2], max_new_tokens=0))
         assert w.final(6)["code"] == "invalid_argument"
-        w.send(*_generate(7, "a", [1, 10_000]))
+        w.send(*generate_frame(7, "a", [1, 10_000]))
         assert "outside the vocabulary" in w.final(7)["message"]
         w.send(
             {"kind": "detokenize", "id": 8, "tokens": {"payload": 0, "dtype": "int32", "shape": [1]}},
@@ -335,12 +204,12 @@ def test_a_bad_request_gets_an_error_for_its_id_and_the_worker_carries_on(model,
 
 @pytest.mark.slow
 def test_cancel_arriving_during_generation_ends_only_its_target(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         for rid, sid in ((1, "a"), (2, "b")):
             w.send({"kind": "open", "id": rid, "session_id": sid})
             w.final(rid)
-        w.send(*_generate(3, "a", [5, 6], max_new_tokens=200))
-        w.send(*_generate(4, "b", [7, 8], max_new_tokens=40))
+        w.send(*generate_frame(3, "a", [5, 6], max_new_tokens=200))
+        w.send(*generate_frame(4, "b", [7, 8], max_new_tokens=40))
         frame = w.read()  # a first token: the generations are running
         w._tokens.setdefault(frame.control["id"], []).append(frame)
         w.send({"kind": "cancel", "id": 3})
@@ -359,10 +228,10 @@ def test_cancel_arriving_during_generation_ends_only_its_target(model, tmp_path)
 
 @pytest.mark.slow
 def test_close_settles_the_session_request_before_its_ok(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         w.collect(1)
-        w.send(*_generate(2, "a", [5, 6], max_new_tokens=200))
+        w.send(*generate_frame(2, "a", [5, 6], max_new_tokens=200))
         w.read()  # generation is running
         w.send({"kind": "close", "id": 3, "session_id": "a"})
         order = []
@@ -377,7 +246,7 @@ def test_close_settles_the_session_request_before_its_ok(model, tmp_path):
 
 @pytest.mark.slow
 def test_tokenize_detokenize_chat_template_info(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "tokenize", "id": 1, "text": "Hello world"})
         reply = w.collect(1)[1][1]
         ids = payload_array(reply, reply.control["tokens"]).tolist()
@@ -403,10 +272,10 @@ def test_tokenize_detokenize_chat_template_info(model, tmp_path):
 def test_a_worker_without_a_file_channel_refuses_checkpoint_files(model, tmp_path):
     """Checkpoints travel only as files: with no channel, save_file is a clear error and the
     worker goes on."""
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         assert not w.hello.control.get("files")
         w.send({"kind": "open", "id": 1, "session_id": "a"})
-        w.send(*_generate(2, "a", list(range(3, 40)), max_new_tokens=4))
+        w.send(*generate_frame(2, "a", list(range(3, 40)), max_new_tokens=4))
         w.collect(2)
         export = {"kind": "save_file", "id": 3, "session_id": "a", "fds": 1, "tag": None, "base": None}
         w.send({**export, "identity": "", "max_bytes": 1 << 40})
@@ -414,151 +283,9 @@ def test_a_worker_without_a_file_channel_refuses_checkpoint_files(model, tmp_pat
         assert (reply["code"], "no file channel" in reply["message"]) == ("invalid_argument", True)
         w.send({"kind": "export", "id": 4, "session_id": "a"})  # the pipe path is gone
         assert w.final(4)["code"] == "invalid_argument"
-        w.send(*_generate(5, "a", list(range(3, 44)), max_new_tokens=1))
+        w.send(*generate_frame(5, "a", list(range(3, 44)), max_new_tokens=1))
         assert w.final(5)["kind"] == "done"
         w.close_control()
-        assert w.wait() == EXIT_OK
-
-
-# ----------------------------------------------------------------------------------------------
-# checkpoint files, on the I/O thread
-
-
-class FileWorker(RawWorker):
-    """A RawWorker with a file channel: checkpoint files are passed as open descriptors."""
-
-    def __init__(self, model: str, tmp_path: Path):
-        self.channel = FileChannelPair()
-        super().__init__(_args(model, *self.channel.worker_args()), tmp_path, pass_fds=self.channel.pass_fds)
-        self.channel.close_worker_end()
-        assert self.hello is not None and self.hello.control["files"]
-
-    def save_file(self, rid: int, sid: str, fd: int, tag: str | None = "t1", **extra) -> None:
-        assert self.channel.client is not None
-        send_files(self.channel.client, rid, [fd])
-        self.send(
-            {
-                "kind": "save_file",
-                "id": rid,
-                "session_id": sid,
-                "fds": 1,
-                "tag": tag,
-                "base": None,
-                "identity": "test",
-                "max_bytes": 1 << 40,
-                **extra,
-            }
-        )
-
-    def restore_file(self, rid: int, sid: str, path: Path, saved: dict, saved_id: str) -> None:
-        assert self.channel.client is not None
-        fd = os.open(path, os.O_RDONLY)
-        send_files(self.channel.client, rid, [fd])
-        os.close(fd)
-        ref = {k: saved[k] for k in ("file_length", "header_crc")}
-        segment = {"name": path.name, "start": 0, "end": saved["position"], **ref}
-        self.send(
-            {
-                "kind": "restore_file",
-                "id": rid,
-                "session_id": sid,
-                "fds": 1,
-                "identity": "test",
-                "max_bytes": 1 << 40,
-                "tag": "t1",
-                "saved_id": saved_id,
-                "segments": [segment],
-            }
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self.channel.close()
-
-
-def _stalled_file() -> tuple[int, int]:
-    """A pipe as a segment file: its writer blocks once 4 KiB wait unread (so a save stays in flight
-    until the test drains it), and its fsync then fails (EINVAL: a pipe cannot be synced)."""
-    read_end, write_end = os.pipe()
-    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-    return read_end, write_end
-
-
-def _drain(fd: int) -> threading.Thread:
-    def drain() -> None:
-        while os.read(fd, 1 << 16):
-            pass
-        os.close(fd)
-
-    thread = threading.Thread(target=drain, daemon=True)
-    thread.start()
-    return thread
-
-
-@pytest.mark.slow
-def test_a_save_in_flight_holds_up_only_its_own_session(model, tmp_path):
-    with FileWorker(model, tmp_path) as w:
-        for rid, sid in ((1, "a"), (2, "b")):
-            w.send({"kind": "open", "id": rid, "session_id": sid})
-        w.send(*_generate(3, "a", list(range(3, 120)), max_new_tokens=1))
-        assert w.final(3)["kind"] == "done"
-        read_end, write_end = _stalled_file()
-        w.save_file(4, "a", write_end)
-        os.close(write_end)
-        w.send(*_generate(5, "b", [5, 6, 7], max_new_tokens=20))
-        w.send(*_generate(6, "a", [5, 6, 7]))
-        w.send({"kind": "close", "id": 7, "session_id": "a"})
-        # The save's write waits on the full pipe; the other session streams all of its tokens and
-        # the saved one refuses what would touch its rows, before the save's reply.
-        tokens, done = w.collect(5)[5]
-        assert done.control["kind"] == "done" and sum(len(t.control["token_ids"]) for t in tokens) == 20
-        assert w.final(6)["code"] == "session_busy"
-        assert w.final(7)["code"] == "session_busy"
-        assert 4 not in w._finals
-        drainer = _drain(read_end)
-        failed = w.final(4)  # every byte written, then the fsync failed
-        drainer.join(HANG_GUARD_S)
-        assert failed["code"] == "checkpoint_write_error" and "cannot save session 'a'" in failed["message"]
-        # Idle again: it generates, saves into a real file, and that file restores bit for bit.
-        w.send(*_generate(8, "a", list(range(3, 120)) + [9, 10], max_new_tokens=2))
-        assert w.final(8)["kind"] == "done"
-        path = tmp_path / "a.mxseg"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        w.save_file(9, "a", fd)
-        os.close(fd)
-        saved = w.final(9)["value"]
-        assert (saved["start"], saved["position"]) == (0, 117 + 2 + 2 - 1)
-        w.restore_file(10, "r", path, saved, "a")
-        assert w.final(10)["value"] == {"position": saved["position"]}
-        exported = []
-        for rid, sid in ((11, "a"), (12, "r")):  # an export: into a memory file, no tag
-            fd = os.memfd_create("export")
-            w.save_file(rid, sid, fd, tag=None)
-            assert w.final(rid)["value"]["position"] == saved["position"]
-            ckpt = assemble_checkpoint([(fd, read_segment_header(fd, "export"), "export")])
-            os.close(fd)
-            exported.append([ckpt.token_ids.tobytes()] + [x.keys.tobytes() + x.values.tobytes() for x in ckpt.layers])
-        assert exported[0] == exported[1]
-        w.close_control()
-        assert w.wait() == EXIT_OK
-
-
-@pytest.mark.slow
-def test_eof_waits_for_a_save_in_flight_and_answers_it(model, tmp_path):
-    with FileWorker(model, tmp_path) as w:
-        w.send({"kind": "open", "id": 1, "session_id": "a"})
-        w.send(*_generate(2, "a", list(range(3, 120)), max_new_tokens=1))
-        assert w.final(2)["kind"] == "done"
-        read_end, write_end = _stalled_file()
-        w.save_file(3, "a", write_end)
-        os.close(write_end)
-        w.close_control()
-        time.sleep(0.5)
-        assert w.proc.poll() is None  # still writing
-        drainer = _drain(read_end)
-        assert w.final(3)["code"] == "checkpoint_write_error"
-        drainer.join(HANG_GUARD_S)
-        assert w.read() is None
         assert w.wait() == EXIT_OK
 
 
@@ -568,9 +295,9 @@ def test_eof_waits_for_a_save_in_flight_and_answers_it(model, tmp_path):
 
 @pytest.mark.slow
 def test_eof_settles_every_request_and_exits_zero(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
-        w.send(*_generate(2, "a", [5, 6], max_new_tokens=250))
+        w.send(*generate_frame(2, "a", [5, 6], max_new_tokens=250))
         w.collect(1)
         w.read()  # running
         w.close_control()
@@ -582,9 +309,9 @@ def test_eof_settles_every_request_and_exits_zero(model, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_settles_every_request_and_exits_zero(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
-        w.send(*_generate(2, "a", [5, 6], max_new_tokens=250))
+        w.send(*generate_frame(2, "a", [5, 6], max_new_tokens=250))
         w.collect(1)
         w.read()
         w.proc.send_signal(signal.SIGTERM)
@@ -597,7 +324,7 @@ def test_sigterm_settles_every_request_and_exits_zero(model, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_while_idle_exits_zero(model, tmp_path):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.proc.send_signal(signal.SIGTERM)
         assert w.read() is None
         assert w.wait() == EXIT_OK
@@ -639,9 +366,9 @@ def _header(control_len: int, payload_lengths: tuple[int, ...] = (), magic: byte
     ],
 )
 def test_malformed_frames_exit_with_a_message(model, tmp_path, data, message):
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
-        w.send(*_generate(2, "a", [5, 6], max_new_tokens=250))
+        w.send(*generate_frame(2, "a", [5, 6], max_new_tokens=250))
         w.collect(1)
         w.send_raw(data)
         w.close_control()  # a truncated frame is only known as such at EOF
@@ -674,7 +401,7 @@ def _has_mlx() -> bool:
 def _greedy_run(args: list[str], tmp_path: Path) -> tuple[dict, list[int]]:
     with RawWorker(args, tmp_path) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
-        w.send(*_generate(2, "a", [5, 6, 7, 8], max_new_tokens=24))
+        w.send(*generate_frame(2, "a", [5, 6, 7, 8], max_new_tokens=24))
         w.final(1)
         done = w.collect(2)[2][1]
         w.close_control()
@@ -695,10 +422,10 @@ def _greedy_run(args: list[str], tmp_path: Path) -> tuple[dict, list[int]]:
     ],
 )
 def test_backends_and_speculative_decoding_serve_the_same_greedy_tokens(model, tmp_path, extra):
-    _, reference = _greedy_run(_args(model), tmp_path)
+    _, reference = _greedy_run(worker_args(model), tmp_path)
     if "--n_draft" in extra:
         extra = [*extra, "--draft", model]  # the model drafting for itself: every draft is accepted
-    hello, ids = _greedy_run(_args(model, *extra), tmp_path)
+    hello, ids = _greedy_run(worker_args(model, *extra), tmp_path)
     if "--backend" in extra:
         assert hello["backend"] == "mlx"
     else:
@@ -773,11 +500,11 @@ def _wait_for_stderr(w: RawWorker, text: str) -> None:
 
 @pytest.mark.slow
 def test_readiness_is_in_the_hello_and_info_only_for_a_1_1_client(model, tmp_path):
-    with RawWorker(_args(model, "--heartbeat_ms", "0"), tmp_path) as w:
+    with RawWorker(worker_args(model, "--heartbeat_ms", "0"), tmp_path) as w:
         assert w.hello.control["readiness"] == "ready"
         w.send({"kind": "info", "id": 1})
         assert w.final(1)["value"]["readiness"] == "ready"
-    with RawWorker(_args(model), tmp_path) as w:  # a 1.0 client: its schema has no such field
+    with RawWorker(worker_args(model), tmp_path) as w:  # a 1.0 client: its schema has no such field
         assert "readiness" not in w.hello.control
         w.send({"kind": "info", "id": 1})
         assert w.final(1)["value"]["readiness"] == "ready"  # a new entry of a map: allowed in 1.x
@@ -786,9 +513,9 @@ def test_readiness_is_in_the_hello_and_info_only_for_a_1_1_client(model, tmp_pat
 @pytest.mark.slow
 def test_heartbeats_fill_a_long_forward_pass_and_only_when_asked(model, tmp_path):
     for ask, expect in ((["--heartbeat_ms", "50"], True), ([], False)):
-        with RawWorker(_args(model, *ask), tmp_path, command=SLOW_STEPS) as w:
+        with RawWorker(worker_args(model, *ask), tmp_path, command=SLOW_STEPS) as w:
             w.send({"kind": "open", "id": 1, "session_id": "a"})
-            w.send(*_generate(2, "a", [5, 6], max_new_tokens=4))
+            w.send(*generate_frame(2, "a", [5, 6], max_new_tokens=4))
             kinds = []
             while True:
                 frame = w.read()
@@ -805,13 +532,13 @@ def test_heartbeats_fill_a_long_forward_pass_and_only_when_asked(model, tmp_path
 
 @pytest.mark.slow
 def test_an_engine_loop_failure_settles_nothing_as_finished_and_refuses_queued_requests(tmp_path, model):
-    with RawWorker(_args(model, "--heartbeat_ms", "0"), tmp_path, command=_failing_engine(queued=2)) as w:
+    with RawWorker(worker_args(model, "--heartbeat_ms", "0"), tmp_path, command=_failing_engine(queued=2)) as w:
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         w.send({"kind": "open", "id": 2, "session_id": "boom"})
-        w.send(*_generate(3, "a", [5, 6], max_new_tokens=250))
+        w.send(*generate_frame(3, "a", [5, 6], max_new_tokens=250))
         w.collect(1, 2)
         w.read()  # "a" is streaming
-        w.send(*_generate(4, "boom", [5, 6], max_new_tokens=4))
+        w.send(*generate_frame(4, "boom", [5, 6], max_new_tokens=4))
         _wait_for_stderr(w, "failing step")
         w.send({"kind": "open", "id": 5, "session_id": "late"})  # queued when the loop fails
         w.send({"kind": "info", "id": 6})
@@ -857,7 +584,7 @@ def test_a_client_that_never_reads_replies_cannot_grow_the_worker_without_bound(
             for b in encode_frame(Frame({"kind": "detokenize", "id": rid, "tokens": ref}, payloads))
         )
 
-    with RawWorker(_args(model), tmp_path) as w:
+    with RawWorker(worker_args(model), tmp_path) as w:
         w.send_raw(detokenize(1))
         assert w.final(1)["kind"] == "text"  # warm: one such request and its reply at the peak
         before = _vm_kib(w.proc.pid, "VmHWM")
@@ -904,9 +631,9 @@ def test_an_oversized_prompt_is_refused_from_its_header_while_other_streams_go_o
         before = _vm_kib(w.proc.pid, "VmHWM")
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         w.send({"kind": "open", "id": 2, "session_id": "b"})
-        w.send(*_generate(3, "a", [5, 6], max_new_tokens=4000))
+        w.send(*generate_frame(3, "a", [5, 6], max_new_tokens=4000))
         w.collect(1, 2)
-        control, payloads = _generate(4, "b", np.zeros(16 * 2**20, dtype=np.int32), max_new_tokens=1)
+        control, payloads = generate_frame(4, "b", np.zeros(16 * 2**20, dtype=np.int32), max_new_tokens=1)
         head, *body = encode_frame(Frame(control, payloads))
         w.send_raw(bytes(head))  # the header and control map only: 64 MiB of token ids still to come
         seen: list[str] = []

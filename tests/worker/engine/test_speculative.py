@@ -484,7 +484,7 @@ def test_sliding_window_draft_needs_spare_ring_rows(mistral):
 
 def test_worker_process_runs_a_draft(llama, drafts, tmp_path):
     """The real worker with --draft/--n_draft: same tokens as the in-process engine, counts reported."""
-    from test_server import RawWorker, _args, _generate
+    from helpers.raw_worker import RawWorker, generate_frame, worker_args
 
     from muxworker.transport.framing import payload_array
 
@@ -493,12 +493,12 @@ def test_worker_process_runs_a_draft(llama, drafts, tmp_path):
     eng = make(llama, draft=draft, max_session_tokens=256)
     eng.open_session("a")
     want = turn(eng, 1, "a", prompt, greedy(20))
-    with RawWorker(_args(str(llama), "--draft", str(draft), "--n_draft", str(N_DRAFT)), tmp_path) as w:
+    with RawWorker(worker_args(str(llama), "--draft", str(draft), "--n_draft", str(N_DRAFT)), tmp_path) as w:
         hello_draft = w.hello.control["model"]["draft"]
         assert hello_draft == eng.model_info()["draft"] == {"name": eng.draft_name, "n_draft": N_DRAFT}
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         assert w.final(1) == {"kind": "ok", "id": 1}
-        w.send(*_generate(2, "a", prompt, max_new_tokens=20))
+        w.send(*generate_frame(2, "a", prompt, max_new_tokens=20))
         done = w.collect(2)[2][1]
         result = done.control["result"]
         assert payload_array(done, result["generated_token_ids"]).tolist() == want["generated_token_ids"]
