@@ -151,9 +151,7 @@ class FileWorker(RawWorker):
 
     def __init__(self, model: str, tmp_path: Path):
         self.channel = FileChannelPair()
-        super().__init__(
-            worker_args(model, *self.channel.worker_args()), tmp_path, pass_fds=self.channel.pass_fds
-        )
+        super().__init__(worker_args(model, *self.channel.worker_args()), tmp_path, pass_fds=self.channel.pass_fds)
         self.channel.close_worker_end()
         assert self.hello is not None and self.hello.control["files"]
 

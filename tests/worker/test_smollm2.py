@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.chats import CHATS
 
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
@@ -11,15 +12,6 @@ from muxworker.worker.engine.sampling import SamplingParams
 from muxworker.worker.models.loader import bundled_gguf_path
 
 pytestmark = pytest.mark.slow
-
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [
-        {"role": "system", "content": "You are a terse coding assistant."},
-        {"role": "user", "content": "Write a Python function that reverses a string."},
-    ],
-    [{"role": "user", "content": "Name three colours of the rainbow."}],
-]
 
 
 @pytest.fixture(scope="module")

@@ -524,7 +524,7 @@ def test_smollm2_logits_match_torch():
 
 @pytest.mark.slow
 def test_smollm2_greedy_chats_equal_torch():
-    from test_smollm2 import CHATS
+    from helpers.chats import CHATS
 
     outs = {}
     for b in ("torch", "mlx"):
