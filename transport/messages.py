@@ -68,21 +68,20 @@ class _Request:
 
 
 @dataclass(frozen=True)
-class OpenSession(_Request):
+class _SessionRequest(_Request):
+    session_id: str
+
+
+class OpenSession(_SessionRequest):
     KIND: ClassVar[str] = "open"
-    session_id: str
 
 
-@dataclass(frozen=True)
-class CloseSession(_Request):
+class CloseSession(_SessionRequest):
     KIND: ClassVar[str] = "close"
-    session_id: str
 
 
-@dataclass(frozen=True)
-class ResetSession(_Request):
+class ResetSession(_SessionRequest):
     KIND: ClassVar[str] = "reset"
-    session_id: str
 
 
 @dataclass(frozen=True)
