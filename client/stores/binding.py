@@ -388,6 +388,39 @@ class StoreBinding:
             return SaveBase(base.tag, position, run, size)
         return SaveBase(base.tag, position)
 
+    def next_manifest(
+        self,
+        plan: SavePlan,
+        written: SaveFileReply,
+        current: SessionManifest | None,
+        new_refs: builtins.list[SegmentRef],
+    ) -> SessionManifest:
+        """The manifest a save publishes over ``current`` (the session's manifest as it stands
+        when the save commits): the segments it keeps from ``current`` (those before the new
+        rows), then ``new_refs``; a save with nothing new retags ``current``. A save that appended
+        to a base ``current`` no longer is raises :class:`SaveConflict` (nothing is published)."""
+        start, position, now = written.start, written.position, time.time()
+        if start and (plan.base is None or current is None or current.tag != plan.base.tag):
+            raise SaveConflict(
+                f"session {plan.session_id!r} was saved or deleted by another writer while this save "
+                "appended to it; nothing was published, save again"
+            )
+        if start == position and current is not None:  # nothing new: the base stands, retagged
+            return dataclasses.replace(current, tag=plan.tag, saved=now)
+        kept = [r for r in current.segments if r.end <= start] if start and current is not None else []
+        return SessionManifest(
+            plan.session_id,
+            self.identity,
+            written.format,
+            written.geometry,
+            position,
+            plan.tag,
+            current.created if current is not None else now,
+            now,
+            [*kept, *new_refs],
+            self.inputs,
+        )
+
     def _cut(
         self, plan: SavePlan, written: SaveFileReply
     ) -> tuple[builtins.list[SegmentRef], builtins.list[Piece], SegmentMemory]:

@@ -16,7 +16,6 @@ writer is running.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import fcntl
 import os
 import secrets
@@ -60,7 +59,6 @@ from .binding import (
     WRITERS_LOCK,
     CleanResult,
     ResumePlan,
-    SaveConflict,
     SavePlan,
     SessionInfo,
     StoreBinding,
@@ -399,41 +397,12 @@ class SessionStore(StoreBinding):
                         current = self._manifest(dir_fd, plan.session_id)
                     except CheckpointError:
                         current = None
-                    now = time.time()
-                    if start == position and plan.base is not None:  # nothing new: the base stands
+                    if start == position and plan.base is not None:  # nothing new: no segment
                         self._unlink(dir_fd, plan.segment)
-                        if current is None or current.tag != plan.base.tag:
-                            raise SaveConflict(
-                                f"session {plan.session_id!r} was saved or deleted by another writer meanwhile"
-                            )
-                        m = dataclasses.replace(current, tag=plan.tag, saved=now)
-                    else:
-                        if new_refs is None:
-                            ref = SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)
-                            new_refs = [ref]
-                        if start:
-                            if plan.base is None or current is None or current.tag != plan.base.tag:
-                                raise SaveConflict(
-                                    f"session {plan.session_id!r} was saved or deleted by another writer while this "
-                                    "save appended to it; nothing was published, save again"
-                                )
-                            # The base is current (same tag); keep its segments before the new rows.
-                            segments = [*(r for r in current.segments if r.end <= start), *new_refs]
-                        else:
-                            segments = new_refs
-                        created = current.created if current is not None else now
-                        m = SessionManifest(
-                            plan.session_id,
-                            self.identity,
-                            written.format,
-                            written.geometry,
-                            position,
-                            plan.tag,
-                            created,
-                            now,
-                            segments,
-                            self.inputs,
-                        )
+                        new_refs = []
+                    elif new_refs is None:
+                        new_refs = [SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)]
+                    m = self.next_manifest(plan, written, current, new_refs)
                     name = plan.digest + SUFFIX
                     replace_file(
                         dir_fd,

@@ -26,7 +26,6 @@ block and are meant for ``trio.to_thread``.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import datetime
 import os
 import re
@@ -365,32 +364,17 @@ class ObjectSessionStore(StoreBinding):
         try:
             start, position = written.start, written.position
             version = plan.version
-            base = plan.base
-            now = time.time()
-            if start == position and base is not None:  # nothing new: the base stands, retagged
-                m = dataclasses.replace(base, tag=plan.tag, saved=now)
+            new_refs: builtins.list[SegmentRef] = []
+            if start == position and plan.base is not None:
+                pass  # nothing new: the base stands, retagged
+            elif plan.staged:
+                new_refs = self._store_pieces(plan, written)
             else:
-                if start and base is None:
-                    raise SaveConflict(f"session {plan.session_id!r}: an appended save needs the manifest it extends")
-                if plan.staged:
-                    segments = self._store_pieces(plan, written)
-                else:
-                    # One read of the memory file (the worker fsynced it; one copy, then one PUT).
-                    self._put(plan.segment, _read_all(plan.fd), f"segment {plan.segment}", "create")
-                    ref = SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)
-                    segments = [*base.segments, ref] if start and base is not None else [ref]
-                m = SessionManifest(
-                    plan.session_id,
-                    self.identity,
-                    written.format,
-                    written.geometry,
-                    position,
-                    plan.tag,
-                    base.created if base is not None else now,
-                    now,
-                    segments,
-                    self.inputs,
-                )
+                # One read of the memory file (the worker fsynced it; one copy, then one PUT).
+                self._put(plan.segment, _read_all(plan.fd), f"segment {plan.segment}", "create")
+                new_refs = [SegmentRef(plan.segment, start, position, written.file_length, written.header_crc)]
+            # The conditional write below publishes only over the manifest begin_save found.
+            m = self.next_manifest(plan, written, plan.found, new_refs)
             mode: Any = "create" if version is None else {"e_tag": version}
             self._put(plan.digest + SUFFIX, encode_session_manifest(m), f"session {plan.session_id!r}", mode)
             # The conditional write replaced exactly the manifest found: its segments are ours to drop.
@@ -408,8 +392,8 @@ class ObjectSessionStore(StoreBinding):
 
     def _store_pieces(self, plan: SavePlan, written: SaveFileReply) -> builtins.list[SegmentRef]:
         """Upload a staged save's pieces (blocks without a young enough copy, and the tail as the
-        plan's segment); returns the manifest's new segment list."""
-        kept, pieces, memory = self._cut(plan, written)
+        plan's segment); returns their refs (which follow the base's kept segments)."""
+        _, pieces, memory = self._cut(plan, written)
         try:
             attempt = 0
 
@@ -431,7 +415,7 @@ class ObjectSessionStore(StoreBinding):
                 # this save's blocks were at most block_refresh old when checked: it must publish
                 # within half of block_refresh of the check (clean()'s docstring has the argument).
                 if time.time() - checked < self.block_refresh / 2:
-                    return [*kept, *refs]
+                    return refs
                 attempt += 1
         finally:
             del pieces
