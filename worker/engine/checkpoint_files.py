@@ -65,7 +65,7 @@ from muxworker.transport.messages import SaveBase, SaveFileReply
 if TYPE_CHECKING:
     from muxworker.worker.backends.interface import Executor
 
-    from .core import Engine
+    from .checkpoints import EngineCheckpoints
     from .state import Session
 
 __all__ = ["SaveJob", "RestoreJob", "plan_save"]
@@ -133,7 +133,7 @@ class SaveJob:
 
 
 def plan_save(
-    engine: Engine,
+    engine: EngineCheckpoints,
     s: Session,
     fd: int,
     *,
