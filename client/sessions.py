@@ -22,8 +22,7 @@ import trio
 
 from muxworker.transport.checkpoint import DEFAULT_MAX_BYTES, CheckpointIncompatible, CPUCheckpoint
 from muxworker.transport.checkpoint.container import memory_file
-from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
-from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
+from muxworker.transport.checkpoint.file import checkpoint_from_memory, checkpoint_to_memory
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.messages import RestoreFileRequest, SaveFileReply, SaveFileRequest
 
@@ -75,7 +74,7 @@ class CheckpointQueue:
                 request = SaveFileRequest(session_id, identity or "", DEFAULT_MAX_BYTES, position=position)
                 written = await _save_file(connection, request, fd)
                 with trio.CancelScope(shield=True):
-                    checkpoint = await trio.to_thread.run_sync(_read_export, fd, session_id, written)
+                    checkpoint = await trio.to_thread.run_sync(checkpoint_from_memory, fd, written, session_id)
             finally:
                 os.close(fd)
             return checkpoint
@@ -86,14 +85,9 @@ class CheckpointQueue:
         """Publish ``checkpoint`` (cut back to ``position``) in the worker as ``session_id``."""
         async with self._lock:
             _require_files(connection)
-            if position is not None:
-                checkpoint = checkpoint.truncated(position)
-            identity = checkpoint.identity or ""
-            fd = memory_file("restore")
+            fd, ref = await trio.to_thread.run_sync(checkpoint_to_memory, session_id, checkpoint, position)
             try:
-                written = await trio.to_thread.run_sync(write_checkpoint_segment, fd, session_id, identity, checkpoint)
-                ref = SegmentRef("checkpoint", 0, written.position, written.file_length, written.header_crc)
-                request = RestoreFileRequest(session_id, identity, DEFAULT_MAX_BYTES, (ref,))
+                request = RestoreFileRequest(session_id, checkpoint.identity or "", DEFAULT_MAX_BYTES, (ref,))
                 await connection.transfer(request.KIND, request.fields(), expect="ok", fds=[fd])
             finally:
                 os.close(fd)
@@ -140,12 +134,6 @@ def _require_files(connection: Connection) -> None:
 async def _save_file(connection: Connection, request: SaveFileRequest, fd: int) -> SaveFileReply:
     value = await connection.transfer(request.KIND, request.fields(), expect="ok", fds=[fd])
     return SaveFileReply.from_wire(value)
-
-
-def _read_export(fd: int, session_id: str, written: SaveFileReply) -> CPUCheckpoint:
-    name = f"the export of session {session_id!r}"
-    ref = SegmentRef("export", 0, written.position, written.file_length, written.header_crc)
-    return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])
 
 
 def require_store(store: StoreBinding | None, info: WorkerInfo | None) -> StoreBinding:

@@ -18,13 +18,14 @@ import numpy as np
 from muxworker.transport.errors import InvalidArgument
 
 from ..errors import CheckpointIncompatible, CheckpointTooLarge, CheckpointWriteError
-from .container import DEFAULT_MAX_BYTES, _identity_mismatch, _open_regular, replace_file
+from .container import DEFAULT_MAX_BYTES, _identity_mismatch, _open_regular, memory_file, replace_file
 from .errors import os_failure
 from .identity import IdentityInputs
 from .segments import (
     DraftRows,
     SaveFileReply,
     SegmentHeader,
+    SegmentRef,
     byte_view,
     host_layer_rows,
     layer_import_range,
@@ -42,6 +43,8 @@ __all__ = [
     "write_checkpoint_segment",
     "assemble_checkpoint",
     "draft_state",
+    "checkpoint_to_memory",
+    "checkpoint_from_memory",
 ]
 
 
@@ -183,3 +186,30 @@ def assemble_checkpoint(segments: Sequence[tuple[int, SegmentHeader, str]]) -> C
         draft=draft,
         identity=last.identity or None,
     )
+
+
+def checkpoint_to_memory(
+    session_id: str, checkpoint: CPUCheckpoint, position: int | None = None
+) -> tuple[int, SegmentRef]:
+    """``checkpoint`` (cut back to ``position`` when given) as one segment of ``session_id`` in a
+    new memory file, under the checkpoint's own identity: the open file (the caller closes it) and
+    the ref a ``restore_file`` names it by. How a host checkpoint travels to a worker."""
+    if not isinstance(checkpoint, CPUCheckpoint):
+        raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
+    if position is not None:
+        checkpoint = checkpoint.truncated(position)
+    fd = memory_file("checkpoint")
+    try:
+        written = write_checkpoint_segment(fd, session_id, checkpoint.identity or "", checkpoint)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, SegmentRef("checkpoint", 0, written.position, written.file_length, written.header_crc)
+
+
+def checkpoint_from_memory(fd: int, written: SaveFileReply, session_id: str) -> CPUCheckpoint:
+    """The host checkpoint a worker's save wrote into the memory file ``fd`` (``written``: its
+    reply), with every check a load makes. How a host checkpoint comes back from a worker."""
+    name = f"the export of session {session_id!r}"
+    ref = SegmentRef("export", 0, written.position, written.file_length, written.header_crc)
+    return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])

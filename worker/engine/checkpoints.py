@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from muxworker.transport.checkpoint import LAYOUT_VERSION, CPUCheckpoint
 from muxworker.transport.checkpoint.container import memory_file
-from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
-from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
+from muxworker.transport.checkpoint.file import checkpoint_from_memory, checkpoint_to_memory
+from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import (
     CapacityExhausted,
     CheckpointRejected,
@@ -102,10 +102,7 @@ class EngineCheckpoints:
                 job.write()
             except BaseException as e:
                 error = e
-            reply = self.finish_save(job, error)
-            name = f"the export of session {sid!r}"
-            ref = SegmentRef("export", 0, reply.position, reply.file_length, reply.header_crc)
-            return assemble_checkpoint([(fd, read_segment_header(fd, name, ref), name)])
+            return checkpoint_from_memory(fd, self.finish_save(job, error), sid)
         finally:
             os.close(fd)
 
@@ -115,15 +112,9 @@ class EngineCheckpoints:
         ``sid`` unused. The same path as a restore from the store: the checkpoint is written as
         one segment into a memory file and read into a free slot with every check, on this thread.
         """
-        if not isinstance(checkpoint, CPUCheckpoint):
-            raise InvalidArgument(f"expected a CPUCheckpoint, got {type(checkpoint).__name__}")
-        if position is not None:
-            checkpoint = checkpoint.truncated(position)
-        fd = memory_file("restore")
+        fd, ref = checkpoint_to_memory(sid, checkpoint, position)
         try:
             identity = checkpoint.identity or ""
-            written = write_checkpoint_segment(fd, sid, identity, checkpoint)
-            ref = SegmentRef("checkpoint", 0, written.position, written.file_length, written.header_crc)
             job = self.begin_restore(sid, [fd], [ref], tag=None, identity=identity, max_bytes=1 << 62)
             error = None
             try:
