@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 from helpers.params import greedy  # no stop tokens: every stream runs to its length
+from helpers.procs import child_pids
 
 from muxworker import client as api
 from muxworker.client import (
@@ -37,16 +38,9 @@ from muxworker.client import (
     default_worker_command,
     spawn_multiplexed_worker,
 )
-from muxworker.serve.process import process_table
 from muxworker.transport.errors import ERROR_CLASSES
 
 HANG_GUARD_S = 60.0
-
-
-def _child_pids() -> set[int]:
-    """Live (or zombie) children of this process, from /proc."""
-    me = os.getpid()
-    return {pid for pid, stat in process_table().items() if stat.ppid == me}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +60,7 @@ async def test_spawn_with_a_nursery_and_close_is_idempotent(worker_command):
         await client.close()
         await client.close()
         assert client.returncode == 0
-        assert pid not in _child_pids()
+        assert pid not in child_pids()
         with pytest.raises(ClientClosedError):
             await client.open_session("late")
         with pytest.raises(ClientClosedError):
@@ -94,12 +88,12 @@ async def test_close_settles_running_streams(worker_command):
 
 
 async def test_caller_cancelled_during_start_reaps_the_child(worker_command):
-    before = _child_pids()
+    before = child_pids()
     with trio.move_on_after(0.3) as scope:
         async with spawn_multiplexed_worker(worker_command):
             pytest.fail("the worker cannot start in 0.3s")  # pragma: no cover
     assert scope.cancelled_caught
-    assert _child_pids() <= before
+    assert child_pids() <= before
 
 
 @pytest.mark.slow
@@ -111,7 +105,7 @@ async def test_cancelling_the_nursery_reaps_the_child(worker_command):
         await stream.__anext__()
         nursery.cancel_scope.cancel()
     assert client.returncode is not None
-    assert client.pid not in _child_pids()
+    assert client.pid not in child_pids()
     with pytest.raises(ClientClosedError):  # stopped from this side: not a death
         await client.open_session("b")
     with pytest.raises(ClientClosedError):

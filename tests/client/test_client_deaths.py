@@ -13,21 +13,15 @@ import sys
 import pytest
 import trio
 from helpers.params import greedy  # no stop tokens: every stream runs to its length
+from helpers.procs import child_pids
 
 from muxworker.client import (
     MuxError,
     WorkerDiedError,
     spawn_multiplexed_worker,
 )
-from muxworker.serve.process import process_table
 
 HANG_GUARD_S = 60.0
-
-
-def _child_pids() -> set[int]:
-    """Live (or zombie) children of this process, from /proc."""
-    me = os.getpid()
-    return {pid for pid, stat in process_table().items() if stat.ppid == me}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,7 +65,7 @@ async def test_worker_killed_mid_stream_fails_every_stream_and_call_and_is_reape
         assert exc.returncode == -signal.SIGKILL
         assert "killed by SIGKILL" in str(exc)
     assert client.returncode == -signal.SIGKILL
-    assert pid not in _child_pids()
+    assert pid not in child_pids()
     with pytest.raises(WorkerDiedError):
         await client.open_session("later")
     with pytest.raises(WorkerDiedError):
@@ -153,7 +147,7 @@ async def test_a_stopped_worker_fails_streams_info_and_saves_after_the_liveness_
         for name, exc in outcomes.items():
             assert isinstance(exc, WorkerDiedError), (name, exc)
             assert "no heartbeat for 2 s" in str(exc) and exc.returncode == -signal.SIGKILL
-        assert client.returncode == -signal.SIGKILL and pid not in _child_pids()
+        assert client.returncode == -signal.SIGKILL and pid not in child_pids()
         with pytest.raises(WorkerDiedError, match="no heartbeat"):
             await client.open_session("later")
     assert await trio.to_thread.run_sync(store.list) == []
