@@ -42,7 +42,7 @@ from muxworker.transport.checkpoint import (
 from muxworker.transport.checkpoint.blocks import (
     Piece,
 )
-from muxworker.transport.checkpoint.container import _open_regular, _write_all, replace_file
+from muxworker.transport.checkpoint.container import _open_regular, _write_all, memory_file, replace_file
 from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
@@ -357,7 +357,7 @@ class SessionStore(StoreBinding):
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 try:
                     if self.block_tokens:  # staged in memory, cut into blocks and a tail at commit
-                        fd = os.memfd_create(segment, os.MFD_CLOEXEC)
+                        fd = memory_file(segment)
                     else:
                         fd = os.open(segment, flags, 0o600, dir_fd=dir_fd)
                 except OSError as e:

@@ -50,6 +50,7 @@ from muxworker.transport.checkpoint import (
     checkpoint_identity_inputs,
 )
 from muxworker.transport.checkpoint.blocks import BLOCK_NAME, BLOCK_SUFFIX, DEFAULT_BLOCK_TOKENS, Piece
+from muxworker.transport.checkpoint.container import memory_file
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import InvalidArgument
@@ -227,7 +228,7 @@ class ObjectSessionStore(StoreBinding):
             size, etag = result.meta["size"], result.meta["e_tag"]
             if size > limit:
                 raise CheckpointTooLarge(f"{what} is {size} bytes, over the limit of {limit}")
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            fd = memory_file(name)
             try:
                 view = result.bytes()  # obstore's buffer: written out without a copy in Python
                 written = os.write(fd, memoryview(view)) if size else 0
@@ -343,7 +344,7 @@ class ObjectSessionStore(StoreBinding):
         found = base
         base, compact = self._base_plan(base)
         segment = f"{digest}.{secrets.token_hex(8)}{SEGMENT_SUFFIX}"
-        fd = os.memfd_create(segment, os.MFD_CLOEXEC)
+        fd = memory_file(segment)
         plan = SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, -1, etag)
         plan.staged, plan.compact, plan.found = bool(self.block_tokens), compact, found
         return plan
