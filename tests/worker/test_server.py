@@ -628,11 +628,13 @@ def _write_all(fd: int, buffers: list) -> None:
 @pytest.mark.slow
 def test_an_oversized_prompt_is_refused_from_its_header_while_other_streams_go_on(model, tmp_path):
     with RawWorker(["--model", model, "--max_session_tokens", "4096"], tmp_path) as w:
-        before = _vm_kib(w.proc.pid, "VmHWM")
         w.send({"kind": "open", "id": 1, "session_id": "a"})
         w.send({"kind": "open", "id": 2, "session_id": "b"})
         w.send(*generate_frame(3, "a", [5, 6], max_new_tokens=4000))
         w.collect(1, 2)
+        first = w.read()  # the stream is decoding: the engine's own warm-up is behind the baseline
+        assert first is not None and first.control["kind"] == "token", first
+        before = _vm_kib(w.proc.pid, "VmHWM")
         control, payloads = generate_frame(4, "b", np.zeros(16 * 2**20, dtype=np.int32), max_new_tokens=1)
         head, *body = encode_frame(Frame(control, payloads))
         w.send_raw(bytes(head))  # the header and control map only: 64 MiB of token ids still to come
