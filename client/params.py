@@ -18,7 +18,7 @@ import numpy as np
 
 from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.messages import RESULT_FIELDS, GenerationResult, ModelInfo, WorkerInfo
-from muxworker.transport.sampling import SamplingFields
+from muxworker.transport.sampling import SamplingFields, check_constraint
 
 _D = SamplingFields()  # the one definition of every sampling default (transport/sampling.py)
 
@@ -54,6 +54,9 @@ class GenerationParams:
     seed: int | None = _D.seed
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] | None = _D.stop_token_ids  # None: the model's EOS tokens
+    # None: free text; else one of {"json_schema": {...}}, {"json_object": True}, {"regex": "..."},
+    # {"lark": "..."}, {"gbnf": "..."}: every token is one the grammar allows (transport/sampling.py).
+    constraint: Mapping[str, Any] | None = _D.constraint
     # Not a sampling field: scopes prefix-cache reuse to requests with the same salt (a tenant's
     # name); None is the shared namespace.
     cache_salt: str | None = None
@@ -162,6 +165,11 @@ def check_params(params: Any) -> CheckedParams:
                 raise InvalidArgument(f"stop_token_ids must be a list of int or None, got {ids!r:.200}")
             ids = [_int("stop_token_ids", t) for t in ids]
         fields["stop_token_ids"] = ids
+    constraint = getattr(params, "constraint", None)
+    if constraint is not None:
+        constraint = dict(constraint) if isinstance(constraint, Mapping) else constraint
+        check_constraint(constraint)
+        fields["constraint"] = constraint
     salt = getattr(params, "cache_salt", None)
     if salt is not None:
         if not isinstance(salt, str):

@@ -16,17 +16,35 @@ Rules a caller can rely on:
   from the logits of tokens already generated, once and per occurrence.
 - ``min_p`` (in [0, 1], 0 = off) drops tokens whose probability is below ``min_p`` times the most
   likely token's, after temperature.
+- ``constraint`` (None = free text) restricts every generated token to those a grammar allows, and
+  ends the output (``finish_reason`` "stop") once the grammar is complete. A map with exactly one of
+  :data:`CONSTRAINT_KINDS`: ``{"json_schema": {...}}`` (a JSON Schema), ``{"json_object": true}``
+  (any JSON object), ``{"regex": "..."}``, ``{"lark": "..."}`` (llguidance's Lark dialect) or
+  ``{"gbnf": "..."}`` (llama.cpp's GBNF). At most :data:`MAX_CONSTRAINT_BYTES` as JSON; the worker
+  compiles it against its tokenizer before any work and refuses a schema or grammar it cannot
+  compile (``invalid_argument``). The mask applies after penalties and before temperature, top-k,
+  top-p and min-p, to greedy and sampled requests alike (worker/engine/constraints.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["SamplingFields", "TEMPERATURE_FLOOR", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "SAMPLING_FIELD_NAMES"]
+__all__ = [
+    "SamplingFields",
+    "TEMPERATURE_FLOOR",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
+    "SAMPLING_FIELD_NAMES",
+    "CONSTRAINT_KINDS",
+    "MAX_CONSTRAINT_BYTES",
+    "check_constraint",
+]
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
@@ -34,6 +52,8 @@ MAX_REPETITION_PENALTY = 100.0  # beyond this every seen token is effectively ba
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+MAX_CONSTRAINT_BYTES = 256 * 1024  # a large tool set's schemas fit; a grammar's size bounds its compile
 
 
 def _is_int(value: object) -> bool:
@@ -59,6 +79,7 @@ class SamplingFields:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None  # None: the model's EOS tokens
+    constraint: dict[str, Any] | None = None  # None: free text; else one of CONSTRAINT_KINDS
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +143,30 @@ class SamplingFields:
                 )
             if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
                 raise InvalidArgument(f"stop_token_ids must lie in [0, {vocab_size})")
+        if self.constraint is not None:
+            check_constraint(self.constraint)
+
+
+def check_constraint(constraint: object) -> None:
+    """Raise :class:`InvalidArgument` unless ``constraint`` has the shape the module docstring gives
+    (what its schema or grammar says is checked by the compiler)."""
+    if not isinstance(constraint, dict) or len(constraint) != 1 or next(iter(constraint)) not in CONSTRAINT_KINDS:
+        raise InvalidArgument(
+            f"constraint must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, got {constraint!r:.200}"
+        )
+    (kind, value), *_ = constraint.items()
+    if kind == "json_schema" and not isinstance(value, dict):
+        raise InvalidArgument(f"constraint.json_schema must be a JSON Schema object, got {value!r:.200}")
+    if kind == "json_object" and value is not True:
+        raise InvalidArgument(f"constraint.json_object must be true, got {value!r:.200}")
+    if kind in ("regex", "lark", "gbnf") and (not isinstance(value, str) or not value):
+        raise InvalidArgument(f"constraint.{kind} must be a non-empty string, got {value!r:.200}")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"constraint.{kind} is not JSON: {type(exc).__name__}: {exc}") from None
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument(f"constraint.{kind} is {size} bytes as JSON; at most {MAX_CONSTRAINT_BYTES} are allowed")
 
 
 SAMPLING_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingFields))

@@ -395,6 +395,7 @@ MESSAGES: dict[str, MessageSpec] = {
             "seed": Nullable(Int(0, _I64_MAX)),  # SamplingFields.validate: [0, 2**63)
             "stop": ListOf(Str()),
             "stop_token_ids": Nullable(ListOf(TOKEN_ID)),
+            "constraint": Nullable(AnyMap()),  # SamplingFields.validate checks its one kind and size
             # Not a sampling field: the prefix-cache namespace of the request (docs/PROTOCOL.md).
             "cache_salt": CACHE_SALT,
         },

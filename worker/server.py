@@ -77,10 +77,12 @@ from muxworker.transport.messages import (
     TokenizeRequest,
 )
 from muxworker.transport.prompt import SpecialText
+from muxworker.transport.sampling import check_constraint
 from muxworker.transport.schema import error_control, validate
 
 if TYPE_CHECKING:
     from muxworker.worker.engine import Engine, EngineOutput
+    from muxworker.worker.engine.constraints import Guide
 
 __all__ = [
     "EXIT_OK",
@@ -145,8 +147,16 @@ class _IoDone:
     finish: Callable[[Future[Any]], dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class _Guided:
+    """A ``generate`` frame whose constraint the reader thread compiled (worker/engine/constraints.py)."""
+
+    frame: Frame
+    guide: Guide
+
+
 _EOF = _Stop(EXIT_OK)
-_Item = Frame | _Rejected | _Stop | _IoDone
+_Item = Frame | _Guided | _Rejected | _Stop | _IoDone
 
 
 class _Inbox:
@@ -174,8 +184,9 @@ class _Inbox:
             while self._frames >= self._max_frames or self._bytes >= self._max_bytes:
                 self._room.wait()
 
-    def put_frame(self, item: Frame | _Rejected) -> None:
-        nbytes = sum(memoryview(p).nbytes for p in item.payloads) if isinstance(item, Frame) else 0
+    def put_frame(self, item: Frame | _Guided | _Rejected) -> None:
+        frame = item.frame if isinstance(item, _Guided) else item
+        nbytes = sum(memoryview(p).nbytes for p in frame.payloads) if isinstance(frame, Frame) else 0
         with self._room:
             self._frames += 1
             self._bytes += nbytes
@@ -415,16 +426,27 @@ class WorkerServer:
                     continue
                 try:
                     validate(frame.control, sender="client", payloads=frame.payloads)
+                    item = self._compiled(frame)
                 except InvalidArgument as exc:
                     inbox.put_frame(_Rejected(frame.control["id"], exc))
                     continue
-                inbox.put_frame(frame)
+                inbox.put_frame(item)
         except ProtocolError as exc:
             inbox.put_event(_Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
         except Exception as exc:
             inbox.put_event(_Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
         else:
             inbox.put_event(_EOF)
+
+    def _compiled(self, frame: Frame) -> Frame | _Guided:
+        """Reader thread: a generate frame with a constraint, compiled here, off the engine thread
+        (bounded in size and work, constraints.py), so a large schema never delays a step; the
+        engine's grammar compiler is the one engine attribute this thread uses (it is thread-safe)."""
+        constraint = frame.control.get("constraint") if frame.control["kind"] == "generate" else None
+        if constraint is None:
+            return frame
+        check_constraint(constraint)
+        return _Guided(frame, self._engine.grammars.compile(constraint))
 
     # -- messages -------------------------------------------------------------------------
 
@@ -438,6 +460,9 @@ class WorkerServer:
             self._io_pending -= 1
             rid, kind = item.request_id, item.kind
             call = functools.partial(self._io_done, item)
+        elif isinstance(item, _Guided):
+            rid, kind = item.frame.control["id"], "generate"
+            call = functools.partial(self._generate, rid, item.frame.control, item.frame, item.guide)
         else:
             rid, kind = item.control["id"], item.control["kind"]
             call = functools.partial(self._request, rid, kind, item)
@@ -508,7 +533,7 @@ class WorkerServer:
         self._engine.reset_session(msg.session_id)
         self._deferred.append(self._ok(rid))
 
-    def _generate(self, rid: int, control: dict[str, Any], frame: Frame) -> None:
+    def _generate(self, rid: int, control: dict[str, Any], frame: Frame, guide: Guide | None = None) -> None:
         from muxworker.worker.engine.sampling import SamplingParams
 
         prompt: list[str | list[int]] = []
@@ -519,7 +544,9 @@ class WorkerServer:
             else:
                 prompt.append(payload_array(frame, segment["tokens"]).tolist())
         params = SamplingParams.from_wire(control)
-        self._engine.submit(rid, control["session_id"], prompt, params, cache_salt=control.get("cache_salt"))
+        self._engine.submit(
+            rid, control["session_id"], prompt, params, cache_salt=control.get("cache_salt"), guide=guide
+        )
 
     def _cancel(self, rid: int, msg: CancelRequest, frame: Frame) -> None:
         # The target ends with its own done (finish_reason "cancelled"); an unknown id is a no-op

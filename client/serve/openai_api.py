@@ -73,11 +73,12 @@ _COMMON = frozenset(
         "session_id",
         "cache_salt",
         "ignore_eos",
+        "response_format",
         *_SAMPLING,
     }
 )
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
-_CHAT_FIELDS |= {"response_format", "logit_bias", "functions", "function_call", "modalities"}
+_CHAT_FIELDS |= {"logit_bias", "functions", "function_call", "modalities"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", "logit_bias"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -293,7 +294,11 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
     # OpenAI's defaults: temperature 1 and top_p 1 (muxworker's own default is greedy).
     sampling.setdefault("temperature", 1.0)
     fields = SamplingFields(
-        max_new_tokens=-1 if max_tokens is None else max_tokens, seed=seed, stop=stop_list, **sampling
+        max_new_tokens=-1 if max_tokens is None else max_tokens,
+        seed=seed,
+        stop=stop_list,
+        constraint=_response_format(body.get("response_format")),
+        **sampling,
     )
     try:
         fields.validate()
@@ -315,6 +320,41 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
         sampled["stop_token_ids"] = []
     params = CheckedParams("", sampled)
     return _Common(served_model, stream, include_usage, params, session_id, salt)
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as a sampling constraint (transport/sampling.py): ``text`` is
+    free, ``json_object`` any JSON object, ``json_schema`` its ``schema``. The grammar enforces the
+    schema whether ``strict`` is set or not (``strict`` only promises what is enforced anyway)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) == {"type"}:
+        return {"json_object": True}
+    if kind == "json_schema" and set(value) == {"type", "json_schema"}:
+        spec = value["json_schema"]
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or set(spec) - _JSON_SCHEMA_KEYS:
+            raise bad_request(
+                "response_format.json_schema must be {name, schema?, strict?, description?}", param="response_format"
+            )
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
+            )
+        if spec.get("strict") not in (None, True, False):
+            raise bad_request("response_format.json_schema.strict must be a boolean", param="response_format")
+        return {"json_schema": schema}
+    raise bad_request(
+        "response_format must be {type: text}, {type: json_object} or {type: json_schema, json_schema: {...}}, "
+        f"got {value!r:.120}",
+        param="response_format",
+    )
+
+
+_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -345,7 +385,6 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
     _absent_or(body, "logit_bias", {})
     _absent_or(body, "tools", [])
     _absent_or(body, "tool_choice", "none", "auto")
-    _absent_or(body, "response_format", {"type": "text"})
     _absent_or(body, "functions", [])
     _absent_or(body, "function_call", "none", "auto")
     _absent_or(body, "modalities", ["text"])

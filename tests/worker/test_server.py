@@ -659,3 +659,24 @@ def test_an_oversized_prompt_is_refused_from_its_header_while_other_streams_go_o
         assert w.final(5)["kind"] == "ok"
         growth_mib = (_vm_kib(w.proc.pid, "VmHWM") - before) / 1024
         assert growth_mib < 32, f"the worker's peak RSS grew {growth_mib:.0f} MiB: it held the 64 MiB body"
+
+
+@pytest.mark.slow
+def test_constraints_compile_off_the_engine_thread_and_bad_ones_are_refused(model, tmp_path):
+    """A constrained generate is compiled on the reader thread and then runs like any other; a
+    schema that does not compile gets invalid_argument while another session keeps streaming."""
+    with RawWorker(["--model", model], tmp_path) as w:
+        for rid, sid in ((1, "a"), (2, "b")):
+            w.send({"kind": "open", "id": rid, "session_id": sid})
+        w.collect(1, 2)
+        w.send(*generate_frame(3, "a", [5, 6], max_new_tokens=400))
+        w.send(*generate_frame(4, "b", [7, 8], constraint={"json_schema": {"type": "nonsense"}}))
+        bad = w.final(4)
+        assert bad["kind"] == "error" and bad["code"] == "invalid_argument" and "json_schema" in bad["message"]
+        w.send(*generate_frame(5, "b", [7, 8], max_new_tokens=40, constraint={"regex": "[0-9]{4}"}))
+        tokens, done = w.collect(5)[5]
+        assert done.control["result"]["finish_reason"] == "stop"
+        text = "".join(f.control.get("text", "") for f in tokens)
+        assert len(text) == 4 and text.isdigit(), text
+        w.send({"kind": "cancel", "id": 3})
+        assert w.final(3)["result"]["finish_reason"] in ("cancelled", "length")

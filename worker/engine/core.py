@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ from muxworker.worker.backends.interface import Executor
 from muxworker.worker.engine import output
 from muxworker.worker.engine.checkpoints import EngineCheckpoints
 from muxworker.worker.engine.config import EngineConfig
+from muxworker.worker.engine.constraints import GrammarCompiler, Guide, fill_masks
 from muxworker.worker.engine.ngram import NgramProposer
 from muxworker.worker.engine.prefix_cache import PrefixCache
 from muxworker.worker.engine.sampling import Penalties, SamplingError, SamplingParams, sample, verify_drafts
@@ -138,6 +140,10 @@ class Engine(EngineCheckpoints):
         self._draft_model: DraftProposer | None = self.proposer if isinstance(self.proposer, DraftProposer) else None
         self.n_draft = config.n_draft
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
+        # Constraints compile against this model's tokenizer (worker/engine/constraints.py); the
+        # masks of a step are computed on _masks' thread while the forward pass runs.
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self._masks: ThreadPoolExecutor | None = None
         self._sessions: dict[str, Session] = {}
         self._free_slots: list[int] = list(range(config.max_sessions - 1, -1, -1))
         # Ids of sessions being restored from files (begin_restore reserved a slot), until finish_restore.
@@ -331,11 +337,14 @@ class Engine(EngineCheckpoints):
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        guide: Guide | None = None,
     ) -> None:
         """Accept a generation or raise; results come from later ``step`` calls.
 
         ``cache_salt``: the prefix-cache namespace of the request (module docstring); None is the
-        shared one. It never limits the session's reuse of its own history."""
+        shared one. It never limits the session's reuse of its own history. ``guide``: the
+        request's constraint already compiled by ``self.grammars`` (the worker compiles on its
+        reader thread); when None, a constraint is compiled here."""
         self._check_ready()
         if not isinstance(request_id, int) or not 0 < request_id < 2**63:
             raise InvalidArgument(f"request id must be a positive 64-bit integer, got {request_id!r}")
@@ -346,6 +355,10 @@ class Engine(EngineCheckpoints):
             raise SessionBusy(f"session {sid!r} is already generating (request {s.request.rid})")
         params.validate(self.vocab_size)
         cache_salt = self._check_cache_salt(cache_salt)
+        if params.constraint is None:
+            guide = None
+        elif guide is None:
+            guide = self.grammars.compile(params.constraint)
         if len(self._requests) >= self.config.max_inflight_requests:
             raise CapacityExhausted(
                 f"{len(self._requests)} requests are in flight (max_inflight_requests={self.config.max_inflight_requests})"
@@ -392,6 +405,7 @@ class Engine(EngineCheckpoints):
             fresh=fresh,
             cache_salt=cache_salt,
             penalties=Penalties(params, ids, self.vocab_size) if params.penalized else None,
+            guide=guide,
         )
         if self._draft_model is not None:
             self._draft_model.keep_on_submit(s, ids, reused)
@@ -481,12 +495,14 @@ class Engine(EngineCheckpoints):
         if req.penalties is not None:
             req.penalties.push(token)
         req.phase = Phase.DECODE
+        if req.guide is not None and not req.guide.consume(token):
+            raise SamplingError(f"the constraint refused token {token}: {req.guide.error}")
         if token in req.stop_ids:
             self._outputs.append(EngineOutput(req.rid, "", [token]))
             self._finish(req, "stop")
             return
         self._outputs.append(output.emit_text(req, token))
-        if req.stop_cut:
+        if req.stop_cut or (req.guide is not None and req.guide.done):
             self._finish(req, "stop")
         elif len(req.generated) >= req.max_new:
             self._finish(req, "length")
@@ -508,11 +524,24 @@ class Engine(EngineCheckpoints):
             batch.drop_finished()
         if batch:
             batch.pack({rid: p.tokens for rid, p in proposals.items()})
+            masks = self._start_masks(batch)
             logits = self._execute(batch)
+            if masks is not None:
+                masks.result()
             if logits is not None:
                 self._update(batch, logits, proposals)
         out, self._outputs = self._outputs, []
         return out
+
+    def _start_masks(self, batch: Batch) -> Future[None] | None:
+        """Compute the grammar masks of the constrained requests this step samples, on a helper
+        thread while the forward pass runs (llguidance releases the GIL)."""
+        guides = [r.guide for r in batch.sampled if r.guide is not None and not r.finished]
+        if not guides:
+            return None
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="muxworker-masks")
+        return self._masks.submit(fill_masks, guides)
 
     def _execute(self, batch: Batch) -> torch.Tensor | None:
         """The target's forward; a failure ends the requests of this batch only."""
@@ -546,7 +575,7 @@ class Engine(EngineCheckpoints):
                 if decoding:
                     self._commit_decoded(r, logits[row : row + n], proposal)
                 elif not r.finished:
-                    self._accept_token(r, sample(logits[row], r.params, r.generator, r.penalties))
+                    self._accept_token(r, sample(logits[row], r.params, r.generator, r.penalties, r.guide))
             except Exception as exc:  # one request's sampling or output failed: end it alone
                 self._fail(r, exc)
             row += n
@@ -558,7 +587,7 @@ class Engine(EngineCheckpoints):
         s = r.session
         if proposal is None or not proposal.tokens:
             s.kv_len += 1
-            self._accept_token(r, sample(logits[0], r.params, r.generator, r.penalties))
+            self._accept_token(r, sample(logits[0], r.params, r.generator, r.penalties, r.guide))
             return
         n = len(s.tokens)  # the target just wrote rows [n - 1, n + k), the draft [.., n + k - 1)
         k = len(proposal.tokens)

@@ -5,10 +5,14 @@ The fields and their ranges are defined once, in :mod:`muxworker.transport.sampl
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from muxworker.transport.sampling import SamplingFields
+
+if TYPE_CHECKING:
+    from muxworker.worker.engine.constraints import Guide
 
 SamplingParams = SamplingFields  # the worker's name for the one definition in transport/sampling.py
 
@@ -91,14 +95,21 @@ def sample(
     params: SamplingFields,
     generator: torch.Generator | None,
     penalties: Penalties | None = None,
+    guide: Guide | None = None,
 ) -> int:
-    """Pick the next token from one row of float32 logits [V].
+    """Pick the next token from one row of float32 logits [V]: penalties, then the constraint's
+    mask (``guide``), then greedy or the processed distribution.
 
     Raises :class:`SamplingError` when the logits hold no usable distribution (NaN everywhere, say,
     from a checkpoint whose KV was tampered with); the engine ends that request only.
     """
     if penalties is not None:
         logits = penalties.apply(logits)
+    if guide is not None:
+        allowed = guide.allowed(logits.device)
+        if not bool(allowed.any()):
+            raise SamplingError(f"the constraint allows no token here ({guide.error or 'the grammar is exhausted'})")
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if params.greedy:
         return int(torch.argmax(logits))
     probs = processed_probs(logits, params)

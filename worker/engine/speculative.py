@@ -41,8 +41,12 @@ Failures = list[tuple[Request, MuxError | Exception]]
 
 
 def draft_budget(req: Request, n_draft: int) -> int:
-    """Tokens to draft for ``req`` this step, whatever proposes them (DraftProposer.budget)."""
-    if req.params.penalized:
+    """Tokens to draft for ``req`` this step, whatever proposes them (DraftProposer.budget).
+
+    A constrained request drafts nothing: verifying k drafts needs the grammar's mask at each of the
+    k + 1 positions, each computed after the one before it (serially, after the forward pass), which
+    costs more than the drafts save at these model sizes."""
+    if req.params.penalized or req.guide is not None:
         return 0
     return max(0, min(n_draft, req.max_new - len(req.generated) - 1))
 

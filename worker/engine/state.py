@@ -17,6 +17,7 @@ from muxworker.transport.errors import MuxError
 if TYPE_CHECKING:
     import torch
 
+    from muxworker.worker.engine.constraints import Guide
     from muxworker.worker.engine.sampling import Penalties, SamplingParams
 
 __all__ = ["Readiness", "EngineOutput", "Phase", "Session", "Request", "common_prefix"]
@@ -111,6 +112,7 @@ class Request:
     draft_proposed: int = 0  # tokens the draft proposed for this request
     draft_accepted: int = 0  # of those, tokens the target accepted and the session committed
     penalties: Penalties | None = None  # only when a penalty is on
+    guide: Guide | None = None  # only with a constraint: the grammar's state and next mask
     text_ends: list[int] = field(default_factory=list)  # output text length after each generated token
     emitted: int = 0  # characters of output text sent so far
 

@@ -106,7 +106,10 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"n": 3}, "unsupported"),
         ({"logprobs": True}, "unsupported"),
         ({"tools": [{"type": "function"}]}, "unsupported"),
-        ({"response_format": {"type": "json_object"}}, "unsupported"),
+        ({"response_format": {"type": "yaml"}}, "invalid_value"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "invalid_value"),  # no name
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}}, "invalid_value"),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "invalid_value"),
         ({"stop": ["a", 1]}, "invalid_value"),
         ({"stop": [""]}, "invalid_value"),
         ({"seed": -1}, "invalid_value"),

@@ -69,7 +69,7 @@ def test_drafting_pauses_for_a_request_whose_proposals_are_rejected(tiny_model_f
     def request(rid):
         session = SimpleNamespace(tokens=[5, 6, 7] * 10)
         return SimpleNamespace(
-            rid=rid, session=session, params=SimpleNamespace(penalized=False), max_new=10_000, generated=[],
+            rid=rid, session=session, params=SimpleNamespace(penalized=False), guide=None, max_new=10_000, generated=[],
             draft_proposed=0, draft_accepted=0,
         )  # fmt: skip
 

@@ -1,0 +1,183 @@
+"""Constrained decoding: a request's ``constraint`` (transport/sampling.py) compiled into a grammar
+matcher over the model's own tokenizer, and the per-step token masks it allows.
+
+The grammar engine is llguidance (the one llama.cpp, vLLM and SGLang use): a JSON schema, any JSON
+object, a regular expression, a Lark grammar or a llama.cpp GBNF grammar becomes an Earley parser
+whose lexer runs over the tokenizer's token trie, so a mask over the whole vocabulary costs tens of
+microseconds for typical schemas.
+
+Who calls what, and on which thread:
+
+- :meth:`GrammarCompiler.compile` builds a :class:`Guide` for one request. It is bounded in size
+  (``MAX_CONSTRAINT_BYTES``, checked by the sampling contract) and in work (:data:`LIMITS`: lexer
+  fuel, Earley items per step, grammar symbols), and releases the GIL while it runs. The worker calls
+  it on its reader thread, never on the engine thread; an in-process engine compiles in ``submit``.
+- :func:`fill_masks` computes the next mask of every guided request of a batch at once (llguidance's
+  executor, several threads, the GIL released). The engine starts it on a helper thread before the
+  forward pass and waits for it after, so the masks are off the critical path.
+- :meth:`Guide.allowed` turns a mask into a bool tensor [V] on the logits' device for ``sample``;
+  :meth:`Guide.consume` advances the parser by the sampled token. A token the mask allowed is always
+  accepted; when the grammar is complete (:attr:`Guide.done`), the request ends with ``stop``.
+"""
+
+from __future__ import annotations
+
+import threading
+from copy import copy
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from muxworker.transport.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance._lib import JsonCompileOptions
+
+    from muxworker.worker.models.tokenizer import Tokenizer
+
+__all__ = ["GrammarCompiler", "Guide", "fill_masks"]
+
+
+def _limits() -> llguidance.LLParserLimits:
+    import llguidance
+
+    # llguidance's defaults, with the per-step work capped lower: a mask step stays within a few
+    # milliseconds whatever the grammar (its docs: ~14k fuel/ms, ~20k items/ms), and building the
+    # lexer within about 100 ms.
+    return llguidance.LLParserLimits(
+        initial_lexer_fuel=5_000_000,
+        step_lexer_fuel=100_000,
+        step_max_items=40_000,
+        max_grammar_size=200_000,
+        verbose_errors=False,
+    )
+
+
+#: How JSON is laid out: on one line, ``{"a": 1, "b": [true, false]}``. llguidance's flexible
+#: whitespace is an ignored lexeme that may repeat without bound, and a small model then loops on
+#: blank lines until max_tokens. A schema's own ``x-guidance`` options take precedence.
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompiler:
+    """Compiles constraints against one model's tokenizer (thread-safe; the tokenizer is converted
+    once, on first use, which takes about a second)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._limits: llguidance.LLParserLimits | None = None
+
+    def _ll(self) -> tuple[llguidance.LLTokenizer, llguidance.LLParserLimits]:
+        with self._lock:
+            if self._lltok is None:
+                import llguidance
+
+                backend = copy(self._tokenizer.backend)
+                backend.no_padding()
+                backend.no_truncation()
+                self._lltok = llguidance.LLTokenizer(
+                    backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos or None
+                )
+                self._limits = _limits()
+            assert self._limits is not None
+            return self._lltok, self._limits
+
+    def compile(self, constraint: dict[str, Any]) -> Guide:
+        """A :class:`Guide` for ``constraint`` (already checked by ``SamplingFields.validate``);
+        raises :class:`InvalidArgument` naming what is wrong with a schema, pattern or grammar."""
+        import llguidance
+
+        lltok, limits = self._ll()
+        (kind, value), *_ = constraint.items()
+        try:
+            if kind in ("json_schema", "json_object"):
+                schema = value if kind == "json_schema" else {"type": "object"}
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(value)
+            elif kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(value)
+            else:  # gbnf
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(value))
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(f"constraint.{kind} is not valid: {_first_line(exc)}") from None
+        except Exception as exc:  # the GBNF converter raises its own errors
+            raise InvalidArgument(f"constraint.{kind} is not valid: {type(exc).__name__}: {_first_line(exc)}") from None
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise InvalidArgument(f"constraint.{kind} is not valid: {_first_line(matcher.get_error())}")
+        return Guide(matcher, self._vocab_size)
+
+
+def _first_line(message: object) -> str:
+    """The start of an error message (at most three lines, 500 characters)."""
+    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
+    return " / ".join(lines[:3])[:500] or "(no detail)"
+
+
+class Guide:
+    """One request's grammar state: the matcher and the mask of the next token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.mask = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)
+        self.fresh = False  # whether ``mask`` is the mask of the next token
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (only the end of the output)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def fill(self) -> None:
+        """Compute the next mask on this thread (the GIL is released meanwhile)."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self.fresh = True
+
+    def allowed(self, device: torch.device) -> torch.Tensor:
+        """The next token's mask as bool [V] on ``device``."""
+        if not self.fresh:
+            self.fill()
+        bits = np.unpackbits(self.mask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.view(np.bool_)).to(device)
+
+    def consume(self, token: int) -> bool:
+        """Advance by ``token``; False when the grammar refuses it (the matcher is then in error)."""
+        self.fresh = False
+        return bool(self.matcher.consume_token(token))
+
+
+def fill_masks(guides: list[Guide]) -> None:
+    """Compute the next mask of every guide whose mask is stale, in parallel on llguidance's
+    threads (the GIL released meanwhile)."""
+    stale = [g for g in guides if not g.fresh]
+    if len(stale) == 1:
+        stale[0].fill()
+    elif stale:
+        import llguidance
+
+        global _EXECUTOR
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        masks = np.empty((len(stale), stale[0].mask.shape[1]), dtype=np.int32)
+        _EXECUTOR.unsafe_compute_mask_ptr(
+            [(g.matcher, i) for i, g in enumerate(stale)], masks.ctypes.data, masks.strides[0], len(stale)
+        )
+        for i, g in enumerate(stale):
+            g.mask[0] = masks[i]
+            g.fresh = True
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
