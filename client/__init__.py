@@ -55,7 +55,7 @@ from .client import (
     default_worker_command,
     spawn_multiplexed_worker,
 )
-from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, WorkerInfo
+from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, TokenLogprob, WorkerInfo
 from .runtime import EvictionFailed, RuntimeGenerationResult, RuntimeStream, SessionRuntime
 from .sessions import SaveResult
 from .stores import (
@@ -81,6 +81,7 @@ __all__ = [
     "GenerationStream",
     "GenerationParams",
     "GenerationResult",
+    "TokenLogprob",
     "ChatPrompt",
     "SpecialText",
     "WorkerInfo",

@@ -30,6 +30,7 @@ liveness rule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -53,6 +54,7 @@ from muxworker.transport.messages import (
     OpenSession,
     ResetSession,
     TokenizeRequest,
+    TokenLogprob,
     WorkerInfo,
 )
 from muxworker.transport.prompt import SpecialText
@@ -106,12 +108,13 @@ class GenerationStream:
     request has settled.
     """
 
-    def __init__(self, connection: Connection, request: Request, session_id: str) -> None:
+    def __init__(self, connection: Connection, request: Request, session_id: str, *, logprobs: bool = False) -> None:
         self._connection = connection
         self._request = request
         self.session_id = session_id
         self._chunks: list[str] = []
         self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
 
@@ -128,6 +131,16 @@ class GenerationStream:
     def token_ids(self) -> list[int]:
         """The token ids received so far (a copy)."""
         return list(self._token_ids)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One :class:`TokenLogprob` per token id received so far (a copy), when the request asked
+        for ``logprobs``; None otherwise."""
+        return None if self._logprobs is None else list(self._logprobs)
+
+    def logprobs_from(self, start: int) -> list[TokenLogprob]:
+        """The logprobs received from token ``start`` on (empty when none were asked for)."""
+        return [] if self._logprobs is None else self._logprobs[start:]
 
     @property
     def finished(self) -> bool:
@@ -152,19 +165,29 @@ class GenerationStream:
             if frame is None:
                 self._finish()
                 continue
-            control = frame.control
-            self._token_ids.extend(control["token_ids"])
-            text = control["text"]
+            text = self._take(frame.control)
             if text:
-                self._chunks.append(text)
                 return text
+
+    def _take(self, control: dict[str, Any]) -> str:
+        """Keep a token frame's ids, text and logprobs; returns its text."""
+        self._token_ids.extend(control["token_ids"])
+        if self._logprobs is not None:
+            self._logprobs.extend(TokenLogprob.from_wire(control))
+        text = control["text"]
+        if text:
+            self._chunks.append(text)
+        return text
 
     def _finish(self) -> None:
         try:
-            self._result = self._connection.outcome(self._request)
+            result = self._connection.outcome(self._request)
         except BaseException as exc:
             self._error = exc
             raise
+        if self._logprobs is not None:
+            result = dataclasses.replace(result, logprobs=tuple(self._logprobs))
+        self._result = result
 
     async def wait(self) -> GenerationResult:
         """Read the rest of the output and return the result (raises the request's error)."""
@@ -173,9 +196,7 @@ class GenerationStream:
             if frame is None:
                 self._finish()
             else:
-                self._token_ids.extend(frame.control["token_ids"])
-                if frame.control["text"]:
-                    self._chunks.append(frame.control["text"])
+                self._take(frame.control)
         if self._error is not None:
             raise fresh(self._error)
         assert self._result is not None
@@ -382,7 +403,7 @@ class MultiplexedWorkerClient:
             expect="done",
             buffer=self._stream_buffer,
         )
-        return GenerationStream(connection, request, session_id)
+        return GenerationStream(connection, request, session_id, logprobs=fields.get("logprobs") is not None)
 
     async def tokenize(
         self, text: str, *, add_special_tokens: bool = False, parse_special: bool | None = None

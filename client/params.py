@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from muxworker.transport.errors import InvalidArgument
-from muxworker.transport.messages import RESULT_FIELDS, GenerationResult, ModelInfo, WorkerInfo
+from muxworker.transport.messages import RESULT_FIELDS, GenerationResult, ModelInfo, TokenLogprob, WorkerInfo
 from muxworker.transport.sampling import SamplingFields, check_constraint
 
 _D = SamplingFields()  # the one definition of every sampling default (transport/sampling.py)
@@ -29,6 +29,7 @@ __all__ = [
     "GenerationResult",
     "RuntimeGenerationResult",
     "RESULT_FIELDS",
+    "TokenLogprob",
     "ChatPrompt",
     "WorkerInfo",
     "ModelInfo",
@@ -57,6 +58,8 @@ class GenerationParams:
     # None: free text; else one of {"json_schema": {...}}, {"json_object": True}, {"regex": "..."},
     # {"lark": "..."}, {"gbnf": "..."}: every token is one the grammar allows (transport/sampling.py).
     constraint: Mapping[str, Any] | None = _D.constraint
+    # None: none; k in 0..20: each token's logprob and the k most likely tokens' (GenerationResult.logprobs)
+    logprobs: int | None = _D.logprobs
     # Not a sampling field: scopes prefix-cache reuse to requests with the same salt (a tenant's
     # name); None is the shared namespace.
     cache_salt: str | None = None
@@ -102,7 +105,7 @@ def _compared(result: GenerationResult) -> tuple[Any, ...]:
     return (*base, getattr(result, "resumed_from_store", False))
 
 
-_INT_FIELDS = ("max_new_tokens", "top_k")
+_INT_FIELDS = ("max_new_tokens", "top_k", "logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 

@@ -18,7 +18,7 @@ import trio
 from muxworker.transport.errors import MuxError, SlowConsumer, WorkerDiedError
 
 from .client import GenerationStream
-from .params import GenerationResult, RuntimeGenerationResult
+from .params import GenerationResult, RuntimeGenerationResult, TokenLogprob
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -92,8 +92,11 @@ class RuntimeStream:
         self._params = params
         self._buffer = buffer
         # Written by the op's system task (the pump), read by the consumer; closed when the op settles.
-        self._send, self._recv = trio.open_memory_channel[str](buffer)
+        # (text delta, the logprobs of the tokens that made it: empty unless asked for)
+        self._send, self._recv = trio.open_memory_channel[tuple[str, list[TokenLogprob]]](buffer)
         self._chunks: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._taken = 0  # the pump's count of the client stream's logprobs already sent
         self._stream: GenerationStream | None = None
         self._cancel_requested = False
         self._overflow: SlowConsumer | None = None
@@ -110,6 +113,16 @@ class RuntimeStream:
         return "".join(self._chunks)
 
     @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the tokens behind the text received so far (a copy; empty unless the
+        params asked for ``logprobs``). The result's ``logprobs`` has every token's."""
+        return list(self._logprobs)
+
+    def logprobs_from(self, start: int) -> list[TokenLogprob]:
+        """The logprobs of the text received, from token ``start`` on."""
+        return self._logprobs[start:]
+
+    @property
     def finished(self) -> bool:
         """Whether the generation has settled (and released its session's lease)."""
         return self._op.state is _State.DONE
@@ -119,13 +132,14 @@ class RuntimeStream:
 
     async def __anext__(self) -> str:
         try:
-            delta = await self._recv.receive()
+            delta, logprobs = await self._recv.receive()
         except trio.EndOfChannel:
             await self._op.done.wait()  # already set: the channel closes as the op settles
             if self._op.error is not None:
                 raise _fresh(self._op.error) from None
             raise StopAsyncIteration from None
         self._chunks.append(delta)
+        self._logprobs += logprobs
         return delta
 
     async def wait(self) -> RuntimeGenerationResult:
@@ -170,8 +184,10 @@ class RuntimeStream:
         async for delta in stream:
             if self._overflow is not None:
                 continue
+            entries = stream.logprobs_from(self._taken)
             try:
-                self._send.send_nowait(delta)
+                self._send.send_nowait((delta, entries))
+                self._taken += len(entries)
             except trio.WouldBlock:
                 self._overflow = SlowConsumer(
                     f"session {self.session_id!r}: the consumer fell {self._buffer} deltas behind, "
@@ -186,7 +202,7 @@ class RuntimeStream:
         return RuntimeGenerationResult.of(result, resumed_from_store=resumed)
 
 
-def _drain(recv: trio.MemoryReceiveChannel[str]) -> None:
+def _drain(recv: trio.MemoryReceiveChannel[Any]) -> None:
     while True:
         try:
             recv.receive_nowait()

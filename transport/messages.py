@@ -34,6 +34,7 @@ __all__ = [
     "GenerateRequest",
     "GenerationResult",
     "RESULT_FIELDS",
+    "TokenLogprob",
     "ModelInfo",
     "WorkerInfo",
     "SamplingFields",
@@ -238,6 +239,39 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives (``top``: (id,
+    logprob) pairs, most likely first), from the model's own distribution (transport/sampling.py)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @staticmethod
+    def to_wire(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The ``token`` frame's fields for ``entries`` (one per token id of the frame)."""
+        return {
+            "logprobs": [e.logprob for e in entries],
+            "top_ids": [[t for t, _ in e.top] for e in entries],
+            "top_logprobs": [[lp for _, lp in e.top] for e in entries],
+        }
+
+    @staticmethod
+    def from_wire(control: Mapping[str, Any]) -> list[TokenLogprob]:
+        """The entries of a ``token`` frame (none when it carries no logprobs)."""
+        lps = control.get("logprobs")
+        if lps is None:
+            return []
+        ids, top_ids, top_lps = control["token_ids"], control["top_ids"], control["top_logprobs"]
+        if not len(ids) == len(lps) == len(top_ids) == len(top_lps):
+            raise ValueError("a token frame's logprobs do not match its token ids")
+        return [
+            TokenLogprob(t, float(lp), tuple(zip(ti, map(float, tl))))
+            for t, lp, ti, tl in zip(ids, lps, top_ids, top_lps)
+        ]
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     """How a generation ended, as the engine reports it."""
 
@@ -254,6 +288,8 @@ class GenerationResult:
     committed_tokens: int = 0
     draft_proposed_tokens: int = 0  # speculative decoding: tokens the draft proposed
     draft_accepted_tokens: int = 0  # of those, tokens the target accepted
+    # Not a field of the done map: the client gathers them from the token frames (when asked for).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
     def cancelled_locally(cls) -> GenerationResult:
@@ -268,7 +304,7 @@ class GenerationResult:
             raise ValueError(f"the result lacks {', '.join(missing)}")
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name != "generated_token_ids":
+            if f.name in RESULT_FIELDS and f.name != "generated_token_ids":
                 kw[f.name] = _COERCE[str(f.type)](result[f.name])
         return cls(generated_token_ids=generated_token_ids, **kw)
 
@@ -277,7 +313,7 @@ _COERCE = {"str": str, "int": int, "float": float}
 
 #: Every field of a ``done`` result, in GenerationResult's order; the engine builds exactly these
 #: (a test checks both ends against this list).
-RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationResult))
+RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationResult) if f.name != "logprobs")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ Rules a caller can rely on:
   compiles it against its tokenizer before any work and refuses a schema or grammar it cannot
   compile (``invalid_argument``). The mask applies after penalties and before temperature, top-k,
   top-p and min-p, to greedy and sampled requests alike (worker/engine/constraints.py).
+- ``logprobs`` (None = none; k in 0..:data:`MAX_LOGPROBS`) returns with every generated token its
+  log-probability and the k most likely tokens with theirs, from the model's own distribution:
+  ``log_softmax`` of the raw logits, before penalties, the constraint's mask, temperature and the
+  filters (vLLM's default), so they do not depend on how the token was picked.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "CONSTRAINT_KINDS",
     "MAX_CONSTRAINT_BYTES",
     "check_constraint",
+    "MAX_LOGPROBS",
 ]
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
@@ -52,6 +57,7 @@ MAX_REPETITION_PENALTY = 100.0  # beyond this every seen token is effectively ba
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 MAX_CONSTRAINT_BYTES = 256 * 1024  # a large tool set's schemas fit; a grammar's size bounds its compile
 
@@ -80,6 +86,7 @@ class SamplingFields:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None  # None: the model's EOS tokens
     constraint: dict[str, Any] | None = None  # None: free text; else one of CONSTRAINT_KINDS
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely tokens'
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +150,8 @@ class SamplingFields:
                 )
             if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
                 raise InvalidArgument(f"stop_token_ids must lie in [0, {vocab_size})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.constraint is not None:
             check_constraint(self.constraint)
 

@@ -396,6 +396,7 @@ MESSAGES: dict[str, MessageSpec] = {
             "stop": ListOf(Str()),
             "stop_token_ids": Nullable(ListOf(TOKEN_ID)),
             "constraint": Nullable(AnyMap()),  # SamplingFields.validate checks its one kind and size
+            "logprobs": Nullable(Int(0, _I64_MAX)),  # SamplingFields.validate: at most MAX_LOGPROBS
             # Not a sampling field: the prefix-cache namespace of the request (docs/PROTOCOL.md).
             "cache_salt": CACHE_SALT,
         },
@@ -478,8 +479,10 @@ MESSAGES: dict[str, MessageSpec] = {
     ),
     "ok": _worker("Request `id` succeeded; `value` carries any result.", {"id": REQUEST_ID}, {"value": AnyMap()}),
     "token": _worker(
-        "Newly generated tokens of request `id` and the text they complete.",
+        "Newly generated tokens of request `id` and the text they complete; with `logprobs` asked, "
+        "each token's log-probability and its top alternatives (ids, log-probabilities), in order.",
         {"id": REQUEST_ID, "text": Str(), "token_ids": ListOf(TOKEN_ID)},
+        {"logprobs": ListOf(Number()), "top_ids": ListOf(ListOf(TOKEN_ID)), "top_logprobs": ListOf(ListOf(Number()))},
     ),
     "done": _worker(
         "Request `id` finished; `result` holds finish_reason, counts, etc.", {"id": REQUEST_ID, "result": AnyMap()}

@@ -75,6 +75,7 @@ from muxworker.transport.messages import (
     RestoreFileRequest,
     SaveFileRequest,
     TokenizeRequest,
+    TokenLogprob,
 )
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.sampling import check_constraint
@@ -647,7 +648,10 @@ class WorkerServer:
         for out in outputs:
             rid = out.request_id
             if out.text or out.token_ids:
-                frames.append(Frame({"kind": "token", "id": rid, "text": out.text, "token_ids": out.token_ids}))
+                control = {"kind": "token", "id": rid, "text": out.text, "token_ids": out.token_ids}
+                if out.logprobs is not None:
+                    control.update(TokenLogprob.to_wire(out.logprobs))
+                frames.append(Frame(control))
             if out.result is None:
                 continue
             if out.error is not None:

@@ -268,6 +268,9 @@ class _GenerationEndpoint:
             else:
                 self.service.after_turn(runtime, sid, turn.result, saved=turn.saved)
 
+    def _logprobs(self, parsed: Any) -> oa.Logprobs | None:
+        return oa.Logprobs(self.service.token_bytes, self.chat) if parsed.logprobs is not None else None
+
     async def _watch_disconnect(self, receive: Receive, stream: RuntimeStream) -> None:
         while True:
             message = await receive()
@@ -299,7 +302,7 @@ class _GenerationEndpoint:
         session = await turn.settle(result)
         build = oa.chat_completion if self.chat else oa.text_completion
         rid = oa.new_id("chatcmpl" if self.chat else "cmpl")
-        body = build(rid, parsed.model, "".join(parts), result, sid, session)
+        body = build(rid, parsed.model, "".join(parts), result, sid, session, self._logprobs(parsed))
         await _json(body, 200, turn.headers())(scope, receive, send)
         return 200
 
@@ -319,7 +322,9 @@ class _GenerationEndpoint:
         now = time.perf_counter()
         if first is not None:
             self.metrics.ttft.observe(now - t0)
-        writer = oa.ChunkWriter(oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat)
+        writer = oa.ChunkWriter(
+            oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat, self._logprobs(parsed)
+        )
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -329,13 +334,19 @@ class _GenerationEndpoint:
         last = now
         try:
             if first is not None:
-                await _body(send, writer.delta(first))
+                first_entries = stream.logprobs_from(0)
+                sent = len(first_entries)
+                await _body(send, writer.delta(first, first_entries))
                 async for text in stream:
                     got = time.perf_counter()
                     inter.observe(got - last)
-                    await _body(send, writer.delta(text))
+                    entries = stream.logprobs_from(sent)
+                    sent += len(entries)
+                    await _body(send, writer.delta(text, entries))
                     last = time.perf_counter()
                     overhead.observe(last - got)
+            else:
+                sent = 0
             result = await stream.wait()
         except MuxError as exc:
             # Headers are gone: the error travels as an event, as OpenAI's API does mid-stream.
@@ -345,7 +356,8 @@ class _GenerationEndpoint:
         self._account(result)
         if result.finish_reason == "cancelled":
             return 499
-        await _body(send, writer.finish(result, await turn.settle(result)))
+        rest = (result.logprobs or ())[sent:]  # tokens no text chunk carried (a stop token)
+        await _body(send, writer.finish(result, await turn.settle(result), rest))
         if parsed.include_usage:
             await _body(send, writer.usage(result))
         await _body(send, oa.DONE, more=False)

@@ -14,13 +14,13 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from muxworker.client.params import CheckedParams, GenerationResult
+from muxworker.client.params import CheckedParams, GenerationResult, TokenLogprob
 from muxworker.transport.errors import InvalidArgument, error_code_of
-from muxworker.transport.sampling import MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
+from muxworker.transport.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
 from .tenants import TenantQuotaExceeded
 
@@ -186,6 +186,7 @@ class _Common:
     params: CheckedParams  # checked here, once; the session id and salt are the server's to set
     session_id: str | None
     cache_salt: str | None
+    logprobs: int | None = None  # None: not asked; k: each token's logprob and its k most likely alternatives
 
 
 @dataclass
@@ -243,7 +244,22 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | None) -> _Common:
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (0-20, only with logprobs) as one top count."""
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise bad_request(f"logprobs must be a boolean, got {asked!r:.80}", param="logprobs")
+    top = _integer(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if top is not None and not asked:
+        raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _common(
+    body: Mapping[str, Any], served_model: str, max_tokens_field: str | None, logprobs: int | None = None
+) -> _Common:
     model = body.get("model")
     if model is not None and model != served_model:
         raise APIError(
@@ -298,6 +314,7 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
         seed=seed,
         stop=stop_list,
         constraint=_response_format(body.get("response_format")),
+        logprobs=logprobs,
         **sampling,
     )
     try:
@@ -319,7 +336,7 @@ def _common(body: Mapping[str, Any], served_model: str, max_tokens_field: str | 
     if ignore_eos:
         sampled["stop_token_ids"] = []
     params = CheckedParams("", sampled)
-    return _Common(served_model, stream, include_usage, params, session_id, salt)
+    return _Common(served_model, stream, include_usage, params, session_id, salt, logprobs)
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -379,16 +396,13 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
     ``max_messages``: more messages than the context can hold (each renders to at least one
     token), refused before any is looked at."""
     _unknown(body, _CHAT_FIELDS)
-    for name in ("logprobs",):
-        _absent_or(body, name, False)
-    _absent_or(body, "top_logprobs")
     _absent_or(body, "logit_bias", {})
     _absent_or(body, "tools", [])
     _absent_or(body, "tool_choice", "none", "auto")
     _absent_or(body, "functions", [])
     _absent_or(body, "function_call", "none", "auto")
     _absent_or(body, "modalities", ["text"])
-    common = _common(body, served_model, "max_completion_tokens")
+    common = _common(body, served_model, "max_completion_tokens", _chat_logprobs(body))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", param="messages")
@@ -425,9 +439,11 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Comp
     _absent_or(body, "echo", False)
     _absent_or(body, "suffix")
     _absent_or(body, "best_of", 1)
-    _absent_or(body, "logprobs")
     _absent_or(body, "logit_bias", {})
-    common = _common(body, served_model, None)
+    top = _integer(body, "logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="logprobs")
+    common = _common(body, served_model, None, top)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -462,15 +478,64 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class Logprobs:
+    """OpenAI's ``logprobs`` objects of one request's tokens: chat's ``{"content": [...]}`` entries
+    (token, logprob, bytes, top_logprobs) or the completions API's parallel lists. ``token_bytes``
+    gives a token id's bytes (the server's tokenizer); a token that ends inside a UTF-8 character
+    shows U+FFFD in ``token`` and its exact bytes in ``bytes``."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], chat: bool) -> None:
+        self._bytes = token_bytes
+        self.chat = chat
+        self._offset = 0  # completions: characters of text before the next token
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        raw = self._bytes(token_id)
+        return raw.decode("utf-8", "replace"), raw
+
+    def of(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            content = []
+            for e in entries:
+                text, raw = self._token(e.token_id)
+                top = []
+                for t, lp in e.top:
+                    top_text, top_raw = self._token(t)
+                    top.append({"token": top_text, "logprob": lp, "bytes": list(top_raw)})
+                content.append({"token": text, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = self._token(e.token_id)[0]
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+            tops.append({self._token(t)[0]: lp for t, lp in e.top})
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
 def _completion(
-    kind: str, choice: dict, rid: str, model: str, result: GenerationResult, sid: str | None, session: dict | None
+    kind: str,
+    choice: dict,
+    rid: str,
+    model: str,
+    result: GenerationResult,
+    sid: str | None,
+    session: dict | None,
+    logprobs: Logprobs | None,
 ) -> dict:
+    lp = logprobs.of(result.logprobs or ()) if logprobs is not None else None
     body: dict[str, Any] = {
         "id": rid,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason(result)}],
+        "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": finish_reason(result)}],
         "usage": usage(result),
     }
     if sid is not None:
@@ -481,17 +546,29 @@ def _completion(
 
 
 def chat_completion(
-    rid: str, model: str, text: str, result: GenerationResult, session_id: str | None, session: dict | None = None
+    rid: str,
+    model: str,
+    text: str,
+    result: GenerationResult,
+    session_id: str | None,
+    session: dict | None = None,
+    logprobs: Logprobs | None = None,
 ) -> dict:
     """A chat completion; ``session``: the named session's durability (docs/SERVER.md)."""
     message = {"role": "assistant", "content": text}
-    return _completion("chat.completion", {"message": message}, rid, model, result, session_id, session)
+    return _completion("chat.completion", {"message": message}, rid, model, result, session_id, session, logprobs)
 
 
 def text_completion(
-    rid: str, model: str, text: str, result: GenerationResult, session_id: str | None, session: dict | None = None
+    rid: str,
+    model: str,
+    text: str,
+    result: GenerationResult,
+    session_id: str | None,
+    session: dict | None = None,
+    logprobs: Logprobs | None = None,
 ) -> dict:
-    return _completion("text_completion", {"text": text}, rid, model, result, session_id, session)
+    return _completion("text_completion", {"text": text}, rid, model, result, session_id, session, logprobs)
 
 
 class ChunkWriter:
@@ -501,8 +578,9 @@ class ChunkWriter:
     rendered once per request, so a delta costs one ``json.dumps`` of its text.
     """
 
-    def __init__(self, rid: str, model: str, chat: bool) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, logprobs: Logprobs | None = None) -> None:
         self.chat = chat
+        self.logprobs = logprobs
         head = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -522,12 +600,24 @@ class ChunkWriter:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._event({**self._head, "choices": [choice]})
 
-    def delta(self, text: str) -> bytes:
-        return (self._open + json.dumps(text) + self._close).encode()
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> bytes:
+        """A chunk of ``text``, with the logprobs of the tokens that made it (when asked for)."""
+        if self.logprobs is None:
+            return (self._open + json.dumps(text) + self._close).encode()
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs.of(logprobs), "finish_reason": None}
+        if self.chat:
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        return self._event({**self._head, "choices": [choice]})
 
-    def finish(self, result: GenerationResult, session: dict | None = None) -> bytes:
-        """The chunk with the finish reason; ``session``: the named session's durability."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason(result)}
+    def finish(
+        self, result: GenerationResult, session: dict | None = None, logprobs: Sequence[TokenLogprob] = ()
+    ) -> bytes:
+        """The chunk with the finish reason; ``session``: the named session's durability;
+        ``logprobs``: those of tokens no text chunk carried (a stop token, say)."""
+        lp = self.logprobs.of(logprobs) if self.logprobs is not None and logprobs else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": finish_reason(result)}
         if self.chat:
             choice["delta"] = {}
         else:

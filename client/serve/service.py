@@ -605,6 +605,11 @@ class ModelService:
 
     # -- generation ---------------------------------------------------------------------------------
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of token ``token_id`` (for logprobs), from the worker's own tokenizer."""
+        assert self._tokenizer is not None  # loaded before the first worker is ready
+        return self._tokenizer.token_bytes(token_id)
+
     def max_messages(self) -> int | None:
         """The most chat messages a request may carry: more cannot fit the worker's context, as
         each renders to at least ``_message_tokens`` tokens. Checked before the body's messages

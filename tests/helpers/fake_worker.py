@@ -113,6 +113,12 @@ class FakeStream:
     def finished(self) -> bool:
         return self._request.settled
 
+    # The fake engine computes no logprobs (the real engine's are tested in-process and end to end).
+    logprobs = None
+
+    def logprobs_from(self, start: int) -> list:
+        return []
+
     def __aiter__(self) -> FakeStream:
         return self
 

@@ -10,7 +10,14 @@ from muxworker.transport import messages
 from muxworker.transport.checkpoint.segments import SegmentRef
 from muxworker.transport.errors import ProtocolError
 from muxworker.transport.framing import PROTOCOL_VERSION
-from muxworker.transport.messages import RESULT_FIELDS, GenerateRequest, GenerationResult, ModelInfo, WorkerInfo
+from muxworker.transport.messages import (
+    RESULT_FIELDS,
+    GenerateRequest,
+    GenerationResult,
+    ModelInfo,
+    TokenLogprob,
+    WorkerInfo,
+)
 from muxworker.transport.sampling import SAMPLING_FIELD_NAMES, SamplingFields
 from muxworker.transport.schema import MESSAGES, hello_control, validate
 
@@ -83,11 +90,22 @@ def test_a_hello_round_trips_through_worker_info():
     assert info.model == ModelInfo("m", "LlamaForCausalLM", 10, 64, False, "/m", 1, (2,))
 
 
+def test_token_logprobs_round_trip_the_token_frame():
+    entries = [TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5))), TokenLogprob(7, -3.0, ((2, -0.1), (7, -3.0)))]
+    control = {"kind": "token", "id": 1, "text": "ab", "token_ids": [5, 7], **TokenLogprob.to_wire(entries)}
+    validate(control, sender="worker")
+    assert TokenLogprob.from_wire(control) == entries
+    assert TokenLogprob.from_wire({"token_ids": [5]}) == []
+    with pytest.raises(ValueError, match="do not match"):
+        TokenLogprob.from_wire({**control, "token_ids": [5]})
+
+
 def test_result_fields_are_the_result_dataclass():
-    assert RESULT_FIELDS == tuple(f.name for f in dataclasses.fields(GenerationResult))
+    # Every field but logprobs, which the client gathers from the token frames (not a done field).
+    assert RESULT_FIELDS == tuple(f.name for f in dataclasses.fields(GenerationResult) if f.name != "logprobs")
     wire = {name: 0 for name in RESULT_FIELDS} | {"finish_reason": "stop", "prefill_time_s": 0.5}
     result = GenerationResult.from_wire(wire, [1, 2])
-    assert result.generated_token_ids == [1, 2] and result.prefill_time_s == 0.5
+    assert result.generated_token_ids == [1, 2] and result.prefill_time_s == 0.5 and result.logprobs is None
     with pytest.raises(ValueError, match="draft_accepted_tokens"):
         GenerationResult.from_wire({k: v for k, v in wire.items() if k != "draft_accepted_tokens"}, [])
 

@@ -113,3 +113,48 @@ def test_quantized_path_agrees_with_the_float_reference(engine, quantized_engine
         agree += int((logits["ref"].argmax(-1) == logits["q"].argmax(-1)).sum())
         total += len(rows)
     assert agree / total >= 0.97, f"{agree}/{total}"
+
+
+def _logprob_turn(engine, sid: str, ids: list[int], n: int, k: int) -> tuple[list, dict]:
+    """One greedy turn of ``n`` tokens with ``logprobs=k``: (the TokenLogprob entries, the result)."""
+    engine.open_session(sid)
+    engine.submit(1, sid, ids, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=[], logprobs=k))
+    entries, result = [], None
+    while engine.has_work():
+        for out in engine.step():
+            entries += out.logprobs or []
+            if out.result is not None:
+                result = out.result
+    engine.close_session(sid)
+    return entries, result
+
+
+def test_logprobs_equal_transformers_log_softmax(engine, reference):
+    """--dtype float32 --weights float: each token's logprob and its top 5 equal log_softmax of
+    transformers' logits on the same GGUF within 1e-4."""
+    tok, model = reference
+    text = engine.tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True)
+    ids = engine.tokenizer.encode(text, parse_special=True)
+    entries, result = _logprob_turn(engine, "lp", ids, 12, 5)
+    generated = result["generated_token_ids"]
+    assert [e.token_id for e in entries] == generated and len(generated) == 12
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + generated])).logits[0].float()
+    ref = torch.log_softmax(logits[len(ids) - 1 : len(ids) - 1 + len(generated)], dim=-1)
+    for i, e in enumerate(entries):
+        assert abs(e.logprob - float(ref[i, e.token_id])) < 1e-4
+        values, top_ids = torch.topk(ref[i], 5)
+        assert [t for t, _ in e.top] == top_ids.tolist()
+        assert max(abs(lp - float(v)) for (_, lp), v in zip(e.top, values)) < 1e-4
+
+
+def test_logprobs_on_the_quantized_path_are_sane(quantized_engine):
+    ids = quantized_engine.tokenizer.encode("The three primary colours are")
+    entries, result = _logprob_turn(quantized_engine, "lpq", ids, 16, 20)
+    assert [e.token_id for e in entries] == result["generated_token_ids"]
+    for e in entries:
+        lps = [lp for _, lp in e.top]
+        assert len(lps) == 20 and lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        # Greedy: the chosen token is a most likely one (bfloat16 logits tie now and then), and its
+        # entry among the top ones carries its logprob.
+        assert e.logprob == lps[0] and dict(e.top)[e.token_id] == e.logprob

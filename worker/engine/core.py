@@ -78,7 +78,14 @@ from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.constraints import GrammarCompiler, Guide, fill_masks
 from muxworker.worker.engine.ngram import NgramProposer
 from muxworker.worker.engine.prefix_cache import PrefixCache
-from muxworker.worker.engine.sampling import Penalties, SamplingError, SamplingParams, sample, verify_drafts
+from muxworker.worker.engine.sampling import (
+    Penalties,
+    SamplingError,
+    SamplingParams,
+    sample,
+    token_logprob,
+    verify_drafts,
+)
 from muxworker.worker.engine.scheduler import Batch, Scheduler
 from muxworker.worker.engine.speculative import DraftProposer, Proposal
 from muxworker.worker.engine.state import EngineOutput, Phase, Readiness, Request, Session, common_prefix
@@ -485,7 +492,8 @@ class Engine(EngineCheckpoints):
             error = InternalError(f"request {req.rid} failed: {message}")
         self._finish(req, "error", error)
 
-    def _accept_token(self, req: Request, token: int) -> None:
+    def _accept_token(self, req: Request, token: int, logits: torch.Tensor | None = None) -> None:
+        """Commit ``token``, sampled from ``logits`` (its row [V]; for the logprobs asked for)."""
         now = time.perf_counter()
         if req.t_first_token is None:
             req.t_first_token = now
@@ -497,11 +505,15 @@ class Engine(EngineCheckpoints):
         req.phase = Phase.DECODE
         if req.guide is not None and not req.guide.consume(token):
             raise SamplingError(f"the constraint refused token {token}: {req.guide.error}")
+        k = req.params.logprobs
+        lp = [token_logprob(logits, token, k)] if k is not None and logits is not None else None
         if token in req.stop_ids:
-            self._outputs.append(EngineOutput(req.rid, "", [token]))
+            self._outputs.append(EngineOutput(req.rid, "", [token], logprobs=lp))
             self._finish(req, "stop")
             return
-        self._outputs.append(output.emit_text(req, token))
+        out = output.emit_text(req, token)
+        out.logprobs = lp
+        self._outputs.append(out)
         if req.stop_cut or (req.guide is not None and req.guide.done):
             self._finish(req, "stop")
         elif len(req.generated) >= req.max_new:
@@ -575,7 +587,8 @@ class Engine(EngineCheckpoints):
                 if decoding:
                     self._commit_decoded(r, logits[row : row + n], proposal)
                 elif not r.finished:
-                    self._accept_token(r, sample(logits[row], r.params, r.generator, r.penalties, r.guide))
+                    token = sample(logits[row], r.params, r.generator, r.penalties, r.guide)
+                    self._accept_token(r, token, logits[row])
             except Exception as exc:  # one request's sampling or output failed: end it alone
                 self._fail(r, exc)
             row += n
@@ -587,7 +600,7 @@ class Engine(EngineCheckpoints):
         s = r.session
         if proposal is None or not proposal.tokens:
             s.kv_len += 1
-            self._accept_token(r, sample(logits[0], r.params, r.generator, r.penalties, r.guide))
+            self._accept_token(r, sample(logits[0], r.params, r.generator, r.penalties, r.guide), logits[0])
             return
         n = len(s.tokens)  # the target just wrote rows [n - 1, n + k), the draft [.., n + k - 1)
         k = len(proposal.tokens)
@@ -607,7 +620,7 @@ class Engine(EngineCheckpoints):
             if i < accepted:
                 committed_drafts += 1
                 r.draft_accepted += 1
-            self._accept_token(r, token)
+            self._accept_token(r, token, logits[i])  # row i scored the token committed at i
         # Roll back both caches past the rejected rows by setting lengths. As after any sampled
         # token, the last committed token has no KV yet. The draft's rows hold tokens[:n] and drafts
         # 1..k-1; those it shares with the committed history stay.

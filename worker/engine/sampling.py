@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from muxworker.transport.messages import TokenLogprob
 from muxworker.transport.sampling import SamplingFields
 
 if TYPE_CHECKING:
@@ -115,6 +116,17 @@ def sample(
     probs = processed_probs(logits, params)
     _check_distribution(probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``token``'s log-probability under the model's own distribution (log_softmax of the raw
+    float32 logits [V], before penalties, masks and temperature) and the ``k`` most likely tokens'."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, ids = torch.topk(lp, k)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(lp[token]), top)
 
 
 class SamplingError(ValueError):

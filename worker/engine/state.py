@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from muxworker.transport.errors import MuxError
+from muxworker.transport.messages import TokenLogprob
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +41,7 @@ class EngineOutput:
     token_ids: list[int] = field(default_factory=list)
     result: dict[str, Any] | None = None
     error: MuxError | None = None  # set when finish_reason is "error"
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class Phase(enum.Enum):

@@ -127,6 +127,7 @@ class Tokenizer:
             chat_template = tokenizer_config["chat_template"]
         self.chat_template = chat_template
         self._compiled: jinja2.Template | None = None
+        self._byte_level: bool | None = None  # whether pieces are GPT-2 byte-level (token_bytes)
 
         bos = self.special_tokens.get("bos_token")
         bos_id = backend.token_to_id(bos) if bos is not None else None
@@ -176,6 +177,24 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (a piece of a UTF-8 character, possibly), as
+        OpenAI's logprobs report them: byte-level BPE pieces mapped back through GPT-2's byte
+        alphabet, SentencePiece's ``<0xNN>`` byte tokens as that byte and its U+2581 as a space."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level is None:
+            self._byte_level = "ByteLevel" in type(self.backend.decoder).__name__ if self.backend.decoder else False
+        if self._byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def encode(self, text: str, add_special_tokens: bool = False, *, parse_special: bool = False) -> list[int]:
         """Token ids of `text`. Special-token markers written in the text (<|im_start|>) become
@@ -231,6 +250,23 @@ class Tokenizer:
             )
         except (jinja2.TemplateError, TypeError) as e:
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 class IncrementalDetokenizer:

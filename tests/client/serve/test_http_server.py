@@ -159,6 +159,37 @@ def test_response_format_is_enforced_on_chat_and_completions(server):
         )
 
 
+def test_logprobs_in_openais_shapes_streamed_and_not(server):
+    client = _client(server)
+    kw = {"model": server.model, "messages": QUESTION, "temperature": 0, "max_tokens": 12}
+    # Each with its own cache_salt: both prefill the whole prompt (a prefix-cache hit recomputes only
+    # the last row, which on the quantized path rounds a little differently).
+    full = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3, extra_body={"cache_salt": "lp-1"})
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    text = full.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode().startswith(text)
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == e.logprob <= 0  # greedy
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    chunks = list(
+        client.chat.completions.create(
+            **kw, logprobs=True, top_logprobs=3, stream=True, extra_body={"cache_salt": "lp-2"}
+        )
+    )
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+    done = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
+    assert "".join(lp.tokens).startswith(done.choices[0].text) and lp.text_offset[0] == 0
+    assert all(len(top) == 2 and max(top.values()) == p for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+
+
 def test_bad_requests_get_openai_errors(server):
     client = _client(server)
     cases = [

@@ -104,7 +104,9 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"max_tokens": 0}, "invalid_value"),
         ({"max_tokens": True}, "invalid_value"),
         ({"n": 3}, "unsupported"),
-        ({"logprobs": True}, "unsupported"),
+        ({"logprobs": 1}, "invalid_value"),  # chat's is a boolean
+        ({"logprobs": True, "top_logprobs": 21}, "invalid_value"),
+        ({"top_logprobs": 2}, "invalid_value"),  # without logprobs
         ({"tools": [{"type": "function"}]}, "unsupported"),
         ({"response_format": {"type": "yaml"}}, "invalid_value"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "invalid_value"),  # no name
