@@ -49,6 +49,7 @@ __all__ = [
     "MAX_CONSTRAINT_BYTES",
     "check_constraint",
     "MAX_LOGPROBS",
+    "JSON_LAYOUT",
 ]
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
@@ -58,6 +59,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+#: How constrained JSON is laid out (llguidance's options): on one line, ``{"a": 1, "b": [true]}``.
+#: Flexible whitespace is an ignored lexeme that may repeat without bound, and a small model then
+#: loops on blank lines until max_tokens. The one layout, so what a grammar made a model write is
+#: what ``json.dumps`` writes back (the server's tool calls rely on that).
+JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 MAX_CONSTRAINT_BYTES = 256 * 1024  # a large tool set's schemas fit; a grammar's size bounds its compile
 

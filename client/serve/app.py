@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from muxworker.client.params import CheckedParams
 from muxworker.client.runtime import RuntimeStream
 from muxworker.transport.checkpoint import CheckpointNotFound
 from muxworker.transport.errors import MuxError
@@ -36,6 +37,7 @@ from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .policy import HttpPolicy
 from .service import ModelService, SavePolicy, session_object
 from .tenants import Tenant, internal_id
+from .tools import OutputParser
 
 __all__ = ["AppConfig", "SESSION_HEADER", "SAVE_ERROR_HEADER", "create_app", "read_body"]
 
@@ -220,9 +222,16 @@ class _GenerationEndpoint:
                     f"X-Session-Id {header_sid!r} and session_id {parsed.session_id!r} differ", param="session_id"
                 )
         public_sid = header_sid or parsed.session_id
+        params, parser = parsed.params, OutputParser()
         try:
             if isinstance(parsed, oa.ChatRequest):
-                prompt: str | list[int] = await self.service.render_chat(parsed.messages)
+                fmt = self.service.tool_format()
+                prompt: str | list[int] = await self.service.render_chat(parsed.messages, parsed.tools)
+                if parsed.tools is not None:
+                    parser = fmt.parser(parsed.tools)
+                    constraint = fmt.constraint(parsed.tools)
+                    if constraint is not None:
+                        params = CheckedParams(params.session_id, {**params.fields, "constraint": constraint})
             else:
                 prompt = parsed.prompt
             if public_sid is not None:
@@ -235,12 +244,12 @@ class _GenerationEndpoint:
         except Exception as exc:
             raise oa.error_from_mux(exc) from None
         try:
-            stream, runtime = self.service.generate(sid, prompt, parsed.params, tenant.cache_salt(parsed.cache_salt))
+            stream, runtime = self.service.generate(sid, prompt, params, tenant.cache_salt(parsed.cache_salt))
         except MuxError as exc:
             if runtime is not None:  # the stateless session opened for it
                 self.service.release_ephemeral(runtime, sid)
             raise oa.error_from_mux(exc) from None
-        turn = _Turn(self.service, runtime, sid, public_sid, stream)
+        turn = _Turn(self.service, runtime, sid, public_sid, stream, parser)
         self.metrics.in_flight.inc()
         try:
             error: oa.APIError | None = None
@@ -268,6 +277,16 @@ class _GenerationEndpoint:
             else:
                 self.service.after_turn(runtime, sid, turn.result, saved=turn.saved)
 
+    @staticmethod
+    async def _send_delta(send: Send, writer: oa.ChunkWriter, turn: _Turn, text: str, sent: int) -> int:
+        """One text delta as a chunk (what of it is content: a tool call's text is not); returns how
+        many tokens' logprobs have been sent."""
+        entries = turn.stream.logprobs_from(sent)
+        content = turn.parser.feed(text)
+        if content or entries:
+            await _body(send, writer.delta(content, entries))
+        return sent + len(entries)
+
     def _logprobs(self, parsed: Any) -> oa.Logprobs | None:
         return oa.Logprobs(self.service.token_bytes, self.chat) if parsed.logprobs is not None else None
 
@@ -288,21 +307,28 @@ class _GenerationEndpoint:
     async def _complete(self, scope: Scope, receive: Receive, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
         stream, sid = turn.stream, turn.public_sid
         parts: list[str] = []
+        first = True
         try:
             async for text in stream:
-                if not parts:
+                if first:
                     self.metrics.ttft.observe(time.perf_counter() - t0)
-                parts.append(text)
+                    first = False
+                parts.append(turn.parser.feed(text))
             result = await stream.wait()
         except MuxError as exc:
             raise oa.error_from_mux(exc) from None
         self._account(result)
         if result.finish_reason == "cancelled":
             return 499  # nobody to answer
+        rest, calls = turn.parser.finish()
+        parts.append(rest)
         session = await turn.settle(result)
-        build = oa.chat_completion if self.chat else oa.text_completion
         rid = oa.new_id("chatcmpl" if self.chat else "cmpl")
-        body = build(rid, parsed.model, "".join(parts), result, sid, session, self._logprobs(parsed))
+        lp = self._logprobs(parsed)
+        if self.chat:
+            body = oa.chat_completion(rid, parsed.model, "".join(parts), result, sid, session, lp, calls)
+        else:
+            body = oa.text_completion(rid, parsed.model, "".join(parts), result, sid, session, lp)
         await _json(body, 200, turn.headers())(scope, receive, send)
         return 200
 
@@ -333,20 +359,15 @@ class _GenerationEndpoint:
         overhead, inter = self.metrics.stream_overhead, self.metrics.inter_token
         last = now
         try:
+            sent = 0
             if first is not None:
-                first_entries = stream.logprobs_from(0)
-                sent = len(first_entries)
-                await _body(send, writer.delta(first, first_entries))
+                sent = await self._send_delta(send, writer, turn, first, 0)
                 async for text in stream:
                     got = time.perf_counter()
                     inter.observe(got - last)
-                    entries = stream.logprobs_from(sent)
-                    sent += len(entries)
-                    await _body(send, writer.delta(text, entries))
+                    sent = await self._send_delta(send, writer, turn, text, sent)
                     last = time.perf_counter()
                     overhead.observe(last - got)
-            else:
-                sent = 0
             result = await stream.wait()
         except MuxError as exc:
             # Headers are gone: the error travels as an event, as OpenAI's API does mid-stream.
@@ -356,8 +377,13 @@ class _GenerationEndpoint:
         self._account(result)
         if result.finish_reason == "cancelled":
             return 499
+        content, calls = turn.parser.finish()
+        if content:
+            await _body(send, writer.delta(content))
+        if calls:
+            await _body(send, writer.tool_calls(calls))
         rest = (result.logprobs or ())[sent:]  # tokens no text chunk carried (a stop token)
-        await _body(send, writer.finish(result, await turn.settle(result), rest))
+        await _body(send, writer.finish(result, await turn.settle(result), rest, calls))
         if parsed.include_usage:
             await _body(send, writer.usage(result))
         await _body(send, oa.DONE, more=False)
@@ -370,9 +396,16 @@ class _Turn:
     turn durable before its final chunk."""
 
     def __init__(
-        self, service: ModelService, runtime: Any, sid: str, public_sid: str | None, stream: RuntimeStream
+        self,
+        service: ModelService,
+        runtime: Any,
+        sid: str,
+        public_sid: str | None,
+        stream: RuntimeStream,
+        parser: OutputParser,
     ) -> None:
         self.service = service
+        self.parser = parser  # the reply's content and tool calls (client/serve/tools.py)
         self.runtime = runtime
         self.sid = sid
         self.public_sid = public_sid

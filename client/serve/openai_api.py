@@ -23,6 +23,7 @@ from muxworker.transport.errors import InvalidArgument, error_code_of
 from muxworker.transport.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
 from .tenants import TenantQuotaExceeded
+from .tools import TOOL_NAME, Tool, ToolCall, ToolRequest
 
 __all__ = [
     "APIError",
@@ -53,7 +54,6 @@ _IGNORED = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",
         "prompt_cache_key",
         "safety_identifier",
         "reasoning_effort",
@@ -78,9 +78,11 @@ _COMMON = frozenset(
     }
 )
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
+_CHAT_FIELDS |= {"parallel_tool_calls"}
 _CHAT_FIELDS |= {"logit_bias", "functions", "function_call", "modalities"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", "logit_bias"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOOLS = 128
 
 
 class APIError(Exception):
@@ -191,7 +193,10 @@ class _Common:
 
 @dataclass
 class ChatRequest(_Common):
+    # role, content, and for an assistant's calls "tool_calls" ([ToolCall]); a tool result's
+    # "tool_call_id" and "name" (the function its call named)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolRequest | None = None
 
 
 @dataclass
@@ -397,8 +402,6 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
     token), refused before any is looked at."""
     _unknown(body, _CHAT_FIELDS)
     _absent_or(body, "logit_bias", {})
-    _absent_or(body, "tools", [])
-    _absent_or(body, "tool_choice", "none", "auto")
     _absent_or(body, "functions", [])
     _absent_or(body, "function_call", "none", "auto")
     _absent_or(body, "modalities", ["text"])
@@ -413,7 +416,15 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
             code="context_length_exceeded",
             param="messages",
         )
-    messages = []
+    tools = _tool_request(body)
+    if tools is not None and tools.callable and common.params.fields.get("constraint") is not None:
+        raise bad_request(
+            "response_format cannot be combined with tools the model may call (tool_choice none allows it)",
+            param="response_format",
+            code="unsupported",
+        )
+    messages: list[dict[str, Any]] = []
+    called: dict[str, str] = {}  # tool call id -> the function it named
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", param="messages")
@@ -423,14 +434,91 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
             raise bad_request(
                 f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {given!r:.40}",
                 param="messages",
-                code="unsupported" if given in ("tool", "function") else "invalid_value",
+                code="unsupported" if given == "function" else "invalid_value",
             )
-        if m.get("tool_calls"):
-            raise bad_request(f"messages[{i}]: tool calls are not supported", param="messages", code="unsupported")
         content = m.get("content")
         text = "" if content is None and role == "assistant" else _content_text(content, i)
-        messages.append({"role": role, "content": text})
-    return ChatRequest(**vars(common), messages=messages)
+        message: dict[str, Any] = {"role": role, "content": text}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = calls = _tool_calls(m["tool_calls"], i)
+            called.update((c.id, c.name) for c in calls)
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request(f"messages[{i}].tool_call_id must be a non-empty string", param="messages")
+            message["tool_call_id"] = call_id
+            message["name"] = called.get(call_id, m.get("name") if isinstance(m.get("name"), str) else "")
+        messages.append(message)
+    return ChatRequest(**vars(common), messages=messages, tools=tools)
+
+
+def _tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` (None when no tools are given)."""
+    raw = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request(f"parallel_tool_calls must be a boolean, got {parallel!r:.80}", param="parallel_tool_calls")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise bad_request(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
+    tools, names = [], set()
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.fullmatch(fn["name"]):
+            raise bad_request(
+                f"tools[{i}] must be {{type: function, function: {{name, description?, parameters?}}}} with a name "
+                "of 1-64 letters, digits, _, - or .",
+                param="tools",
+            )
+        if fn["name"] in names:
+            raise bad_request(f"tools[{i}]: the name {fn['name']!r} is given twice", param="tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        description = fn.get("description", "")
+        if not isinstance(params, dict) or not isinstance(description, str):
+            raise bad_request(f"tools[{i}].function: parameters must be a JSON Schema object", param="tools")
+        names.add(fn["name"])
+        tools.append(Tool(fn["name"], description, params))
+    function = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        function = fn.get("name") if isinstance(fn, dict) else None
+        if function not in names:
+            raise bad_request(f"tool_choice names no given tool: {choice!r:.120}", param="tool_choice")
+        choice = "function"
+    elif choice not in ("none", "auto", "required"):
+        raise bad_request(
+            f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}, got {choice!r:.80}",
+            param="tool_choice",
+        )
+    return ToolRequest(tuple(tools), choice, function, True if parallel is None else parallel)
+
+
+def _tool_calls(raw: Any, index: int) -> list[ToolCall]:
+    """An assistant message's ``tool_calls``."""
+    if not isinstance(raw, list):
+        raise bad_request(f"messages[{index}].tool_calls must be a list", param="messages")
+    calls = []
+    for c in raw:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", "{}"), str)
+            or not isinstance(c.get("id", ""), str)
+        ):
+            raise bad_request(
+                f"messages[{index}].tool_calls entries must be {{id, type: function, function: {{name, arguments}}}} "
+                "with arguments a JSON string",
+                param="messages",
+            )
+        calls.append(ToolCall(c.get("id") or ToolCall.new_id(), fn["name"], fn.get("arguments", "{}")))
+    return calls
 
 
 def parse_completion_request(body: Mapping[str, Any], served_model: str) -> CompletionRequest:
@@ -470,7 +558,9 @@ def usage(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def finish_reason(result: GenerationResult) -> str:
+def finish_reason(result: GenerationResult, calls: Sequence[ToolCall] = ()) -> str:
+    if calls:
+        return "tool_calls"
     return "length" if result.finish_reason == "length" else "stop"
 
 
@@ -528,6 +618,7 @@ def _completion(
     sid: str | None,
     session: dict | None,
     logprobs: Logprobs | None,
+    calls: Sequence[ToolCall] = (),
 ) -> dict:
     lp = logprobs.of(result.logprobs or ()) if logprobs is not None else None
     body: dict[str, Any] = {
@@ -535,7 +626,7 @@ def _completion(
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": finish_reason(result)}],
+        "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": finish_reason(result, calls)}],
         "usage": usage(result),
     }
     if sid is not None:
@@ -553,10 +644,15 @@ def chat_completion(
     session_id: str | None,
     session: dict | None = None,
     logprobs: Logprobs | None = None,
+    calls: Sequence[ToolCall] = (),
 ) -> dict:
-    """A chat completion; ``session``: the named session's durability (docs/SERVER.md)."""
-    message = {"role": "assistant", "content": text}
-    return _completion("chat.completion", {"message": message}, rid, model, result, session_id, session, logprobs)
+    """A chat completion; ``session``: the named session's durability (docs/SERVER.md); ``calls``:
+    the tool calls the reply made (content is then null unless the model also wrote text)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        message["tool_calls"] = [c.openai() for c in calls]
+    choice = {"message": message}
+    return _completion("chat.completion", choice, rid, model, result, session_id, session, logprobs, calls)
 
 
 def text_completion(
@@ -611,13 +707,27 @@ class ChunkWriter:
             choice["text"] = text
         return self._event({**self._head, "choices": [choice]})
 
+    def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
+        """OpenAI's tool-call deltas: per call, its index, id and name, then its arguments."""
+        out = []
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            for part in (head, {"index": i, "function": {"arguments": call.arguments}}):
+                choice = {"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                out.append(self._event({**self._head, "choices": [choice]}))
+        return b"".join(out)
+
     def finish(
-        self, result: GenerationResult, session: dict | None = None, logprobs: Sequence[TokenLogprob] = ()
+        self,
+        result: GenerationResult,
+        session: dict | None = None,
+        logprobs: Sequence[TokenLogprob] = (),
+        calls: Sequence[ToolCall] = (),
     ) -> bytes:
         """The chunk with the finish reason; ``session``: the named session's durability;
         ``logprobs``: those of tokens no text chunk carried (a stop token, say)."""
         lp = self.logprobs.of(logprobs) if self.logprobs is not None and logprobs else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": finish_reason(result)}
+        choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": finish_reason(result, calls)}
         if self.chat:
             choice["delta"] = {}
         else:

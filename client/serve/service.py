@@ -41,6 +41,7 @@ from muxworker.worker.spec import WorkerSpec
 
 from .metrics import ServerMetrics
 from .tenants import Tenant, TenantQuotaExceeded, _Usage
+from .tools import ToolFormat, ToolRequest, tool_format
 
 __all__ = [
     "ModelService",
@@ -619,17 +620,26 @@ class ModelService:
         limit = client.info.limits.get("max_session_tokens") if client is not None and client.info else None
         return limit // self._message_tokens if isinstance(limit, int) else None
 
-    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt of ``messages``, rendered here with the worker's own tokenizer and template
-        (the same files, the same code), on a thread: a turn makes one worker round trip, and a
-        long message list never holds the engine up."""
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (client/serve/tools.py), from its chat template."""
+        assert self._tokenizer is not None  # loaded before the first worker is ready
+        return tool_format(self._tokenizer.chat_template)
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: ToolRequest | None = None) -> list[int]:
+        """The prompt of ``messages`` (and ``tools``, in the model's tool format), rendered here
+        with the worker's own tokenizer and template (the same files, the same code), on a
+        thread: a turn makes one worker round trip, and a long message list never holds the
+        engine up."""
         self._live()
         tokenizer = self._tokenizer
         assert tokenizer is not None  # loaded before the first worker is ready
+        fmt = self.tool_format()
 
         def render() -> list[int]:
             try:
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text = tokenizer.apply_chat_template(
+                    fmt.messages(messages, tools), add_generation_prompt=True, tools=fmt.template_tools(tools)
+                )
             except ChatTemplateError as exc:
                 raise InvalidArgument(str(exc)) from None
             return tokenizer.encode(text, parse_special=True)

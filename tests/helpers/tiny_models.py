@@ -104,9 +104,16 @@ def _train_tokenizer(vocab_size: int):
 
 
 def write_tiny_model(
-    path: Path, arch: str = "llama", *, seed: int = 0, max_position_embeddings: int = 4096, **overrides
+    path: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    max_position_embeddings: int = 4096,
+    chat_template: str = CHAT_TEMPLATE,
+    **overrides,
 ) -> Path:
-    """Write a tiny random model of ``arch`` to ``path`` and return it."""
+    """Write a tiny random model of ``arch`` to ``path`` and return it (``chat_template``: its
+    tokenizer_config.json's; ChatML by default)."""
     import torch
     import transformers
 
@@ -141,7 +148,7 @@ def write_tiny_model(
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
                 "bos_token": "<|endoftext|>",
                 "eos_token": "<|im_end|>",
                 "add_bos_token": False,

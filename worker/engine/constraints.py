@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import threading
 from copy import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from muxworker.transport.errors import InvalidArgument
+from muxworker.transport.sampling import JSON_LAYOUT
 
 if TYPE_CHECKING:
     import llguidance
@@ -53,12 +54,6 @@ def _limits() -> llguidance.LLParserLimits:
         max_grammar_size=200_000,
         verbose_errors=False,
     )
-
-
-#: How JSON is laid out: on one line, ``{"a": 1, "b": [true, false]}``. llguidance's flexible
-#: whitespace is an ignored lexeme that may repeat without bound, and a small model then loops on
-#: blank lines until max_tokens. A schema's own ``x-guidance`` options take precedence.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarCompiler:
@@ -98,7 +93,9 @@ class GrammarCompiler:
         try:
             if kind in ("json_schema", "json_object"):
                 schema = value if kind == "json_schema" else {"type": "object"}
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults=cast("JsonCompileOptions", JSON_LAYOUT)
+                )
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(value)
             elif kind == "lark":

@@ -107,7 +107,21 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"logprobs": 1}, "invalid_value"),  # chat's is a boolean
         ({"logprobs": True, "top_logprobs": 21}, "invalid_value"),
         ({"top_logprobs": 2}, "invalid_value"),  # without logprobs
-        ({"tools": [{"type": "function"}]}, "unsupported"),
+        ({"tools": [{"type": "function"}]}, "invalid_value"),  # no function
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "invalid_value"),
+        ({"tool_choice": "required"}, "invalid_value"),  # without tools
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "invalid_value"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "invalid_value",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+            "unsupported",
+        ),
         ({"response_format": {"type": "yaml"}}, "invalid_value"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "invalid_value"),  # no name
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}}, "invalid_value"),
@@ -123,7 +137,11 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"cache_salt": ""}, "invalid_value"),
         ({"frobnicate": 1}, "unknown_field"),
         ({"messages": "hi"}, "invalid_value"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "unsupported"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_value"),  # no tool_call_id
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+            "invalid_value",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "unsupported"),
         ({"messages": [{"role": "user", "content": 5}]}, "invalid_value"),
         ({"messages": [{"role": ["user"], "content": "x"}]}, "invalid_value"),

@@ -1,0 +1,479 @@
+"""Tool calls: OpenAI's ``tools`` rendered in the model's own format, enforced by a grammar, and
+parsed back into ``tool_calls``.
+
+A :class:`ToolFormat` is picked once per model from its chat template (:func:`tool_format`):
+
+- **hermes** (Qwen2.5/3, Hermes, and any template that writes ``<tool_call>``): the template renders
+  the tools; a call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, several
+  one after another.
+- **mistral** (``[TOOL_CALLS]``): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- **llama3** (Llama 3.1-3.3 JSON tool calling, a template that renders ``"parameters"``): the whole
+  reply is one ``{"name": ..., "parameters": {...}}`` object.
+- **generic**, for every other model (the bundled SmolLM2 among them), as llama.cpp's generic
+  handler does: a system block lists the tools and asks for one JSON object, ``{"tool_calls":
+  [{"name": ..., "arguments": {...}}]}`` or ``{"response": "..."}``; tool results go back as user
+  messages ``{"tool_response": {"name": ..., "content": ...}}``.
+
+Decoding (:meth:`ToolFormat.constraint`): ``required`` and a named function force a call whose
+arguments follow the function's JSON schema; ``auto`` lets the model write text, and once it
+starts a call (its opening tag; in the generic format, the ``tool_calls`` key) the call is held to
+the schemas; ``none`` adds no constraint. Every format renders a call back exactly as the grammar
+made the model write it (JSON on one line, ``", "`` and ``": "``, the arguments verbatim), so the
+next turn of a session reuses the whole history, tool calls and results included.
+
+:class:`OutputParser` turns the generated text into content and calls, streamed: content as it
+comes (a possible opening tag held back until it is decided), each call once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from muxworker.transport.sampling import JSON_LAYOUT
+
+__all__ = ["Tool", "ToolCall", "ToolRequest", "ToolFormat", "OutputParser", "tool_format", "TOOL_NAME"]
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call; ``parameters``: the JSON Schema of its arguments object."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def openai(self) -> dict[str, Any]:
+        """As OpenAI's request carries it (and chat templates take it)."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's tools and how it lets the model use them."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"  # "none", "auto", "required", or "function" (the one named ``function``)
+    function: str | None = None
+    parallel: bool = True
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        """The tools a call may name."""
+        if self.choice == "function":
+            return tuple(t for t in self.tools if t.name == self.function)
+        return self.tools if self.choice != "none" else ()
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    @property
+    def most(self) -> int | None:
+        """The most calls one reply may make (None: no bound)."""
+        return None if self.parallel and self.choice != "function" else 1
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made; ``arguments`` is the JSON text of its arguments object."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @staticmethod
+    def new_id() -> str:
+        return "call_" + secrets.token_hex(12)
+
+    def openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
+    params = tool.parameters or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
+
+
+def _one_of(tools: Sequence[Tool], args_key: str) -> dict[str, Any]:
+    """The schema of one call to any of ``tools``."""
+    schemas = [_call_schema(t, args_key) for t in tools]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _lark_json(tools: Sequence[Tool], args_key: str) -> str:
+    """A Lark ``%json`` of one call, in the one JSON layout (a schema inside a Lark grammar takes
+    its options from its own ``x-guidance``)."""
+    return "%json " + json.dumps({**_one_of(tools, args_key), "x-guidance": JSON_LAYOUT})
+
+
+def _lark_text(value: str) -> str:
+    """``value`` as a Lark string literal."""
+    return json.dumps(value)
+
+
+def _arguments(value: Any) -> str:
+    """An arguments object as the grammar writes it: JSON on one line, ``", "`` and ``": "``."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _parsed_arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class ToolFormat:
+    """How one model family writes tool calls (see the module docstring)."""
+
+    name = "generic"
+    args_key = "arguments"
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def messages(self, messages: list[dict[str, Any]], request: ToolRequest | None) -> list[dict[str, Any]]:
+        """The messages to hand the chat template (tool calls and results in this format)."""
+        raise NotImplementedError
+
+    def template_tools(self, request: ToolRequest | None) -> list[dict[str, Any]] | None:
+        """The ``tools`` variable for the chat template (None: the template is not told)."""
+        return [t.openai() for t in request.tools] if request is not None and request.tools else None
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
+        """The sampling constraint for ``request`` (None: free text)."""
+        raise NotImplementedError
+
+    def parser(self, request: ToolRequest | None) -> OutputParser:
+        raise NotImplementedError
+
+
+class GenericFormat(ToolFormat):
+    """For templates that know nothing of tools: one JSON object per reply (module docstring)."""
+
+    name = "generic"
+
+    def _active(self, request: ToolRequest | None) -> bool:
+        return request is not None and bool(request.callable)
+
+    def messages(self, messages: list[dict[str, Any]], request: ToolRequest | None) -> list[dict[str, Any]]:
+        active = self._active(request)
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            role, content = m["role"], m.get("content") or ""
+            if role == "assistant" and m.get("tool_calls"):
+                calls = ", ".join(
+                    f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "arguments": {c.arguments}}}'
+                    for c in m["tool_calls"]
+                )
+                out.append({"role": "assistant", "content": f'{{"tool_calls": [{calls}]}}'})
+            elif role == "assistant" and active:
+                out.append(
+                    {"role": "assistant", "content": f'{{"response": {json.dumps(content, ensure_ascii=False)}}}'}
+                )
+            elif role == "tool":
+                result = {"tool_response": {"name": m.get("name") or "", "content": content}}
+                out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
+            else:
+                out.append({"role": role, "content": content})
+        if active:
+            assert request is not None
+            block = self._system_block(request)
+            if out and out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out
+
+    def template_tools(self, request: ToolRequest | None) -> list[dict[str, Any]] | None:
+        return None  # the tools are in the system block
+
+    @staticmethod
+    def _system_block(request: ToolRequest) -> str:
+        """The same whatever tool_choice says (the grammar enforces it), so the prompt of one
+        conversation stays the same from turn to turn and its history is reused."""
+        tools = "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in request.tools)
+        return (
+            f"You can call these tools:\n{tools}\n"
+            'Reply with one JSON object: {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]} '
+            'to call tools, or {"response": <your reply>} to answer the user. After a tool_response, '
+            "answer the user unless you need another tool."
+        )
+
+    def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
+        if not request.callable:
+            return None
+        calls: dict[str, Any] = {"type": "array", "items": _one_of(request.callable, "arguments"), "minItems": 1}
+        if request.most is not None:
+            calls["maxItems"] = request.most
+        schema: dict[str, Any] = {
+            "type": "object",
+            "properties": {"tool_calls": calls},
+            "required": ["tool_calls"],
+            "additionalProperties": False,
+        }
+        if not request.forced:
+            response = {
+                "type": "object",
+                "properties": {"response": {"type": "string"}},
+                "required": ["response"],
+                "additionalProperties": False,
+            }
+            schema = {"anyOf": [schema, response]}
+        return {"json_schema": schema}
+
+    def parser(self, request: ToolRequest | None) -> OutputParser:
+        return _JsonReplyParser() if self._active(request) else OutputParser()
+
+
+@dataclass(frozen=True)
+class _Native(ToolFormat):
+    """A family whose template renders the tools and whose calls sit between fixed strings:
+    ``open`` + call + (``sep`` + call)* + ``close``; text before ``open`` is content."""
+
+    name: str = "hermes"
+    open: str = "<tool_call>\n"
+    sep: str = "\n</tool_call>\n<tool_call>\n"
+    close: str = "\n</tool_call>"
+    args_key: str = "arguments"
+    text_first: bool = True  # whether content may precede the calls (llama3: the reply is the call)
+
+    @property
+    def trigger(self) -> str:
+        """What starts the calls (the ``open`` string without its trailing whitespace)."""
+        return self.open.rstrip() or "{"
+
+    def messages(self, messages: list[dict[str, Any]], request: ToolRequest | None) -> list[dict[str, Any]]:
+        out = []
+        for m in messages:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": _parsed_arguments(c.arguments)},
+                    }
+                    for c in m["tool_calls"]
+                ]
+                out.append({"role": "assistant", "content": m.get("content") or "", "tool_calls": calls})
+            else:
+                out.append(dict(m))
+        return out
+
+    def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
+        if not request.callable:
+            return None
+        call = "call: " + _lark_json(request.callable, self.args_key)
+        more = f" ({_lark_text(self.sep)} call)*" if request.most is None else ""
+        calls = " ".join(p for p in (_lark_text(self.open) if self.open else "", f"call{more}") if p)
+        if self.close:
+            calls += " " + _lark_text(self.close)
+        if request.forced:
+            return {"lark": f"start: {calls}\n{call}"}
+        if not self.text_first:
+            # The reply is the call, or text that does not start like one.
+            return {"lark": f"start: FREE? | {calls}\nFREE: /[^{{\\s](.|\\n)*/\n{call}"}
+        # Text until the first opening tag (one lexeme that cannot hold the tag), then the calls.
+        tag = re.escape(self.trigger)
+        rest = self.open[len(self.trigger) :]
+        after = " ".join(p for p in (_lark_text(rest) if rest else "", f"call{more}") if p)
+        if self.close:
+            after += " " + _lark_text(self.close)
+        rules = [
+            "start: FREE | LEAD calls",
+            f"FREE: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/",
+            f"LEAD: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/",
+            f"calls: {after}",
+            call,
+        ]
+        return {"lark": "\n".join(rules)}
+
+    def parser(self, request: ToolRequest | None) -> OutputParser:
+        if request is None or not request.callable:
+            return OutputParser()
+        return _TaggedParser(self)
+
+
+HERMES = _Native()
+MISTRAL = _Native("mistral", "[TOOL_CALLS][", ", ", "]")
+LLAMA3 = _Native("llama3", "", "; ", "", "parameters", text_first=False)
+GENERIC = GenericFormat()
+
+
+def tool_format(chat_template: str | None) -> ToolFormat:
+    """The format the model's chat template speaks (module docstring)."""
+    t = chat_template or ""
+    if "tools" not in t:
+        return GENERIC
+    if "<tool_call>" in t:
+        return HERMES
+    if "[TOOL_CALLS]" in t:
+        return MISTRAL
+    if '"parameters"' in t or "<|python_tag|>" in t:
+        return LLAMA3
+    return GENERIC
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+
+class OutputParser:
+    """Free text: everything is content."""
+
+    def feed(self, text: str) -> str:
+        """The content ``text`` adds (possibly less: a part that may open a call is held back)."""
+        return text
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: the content not yet given out, and the calls."""
+        return "", []
+
+
+class _TaggedParser(OutputParser):
+    """Content up to the format's trigger, calls after it (parsed at the end)."""
+
+    def __init__(self, fmt: _Native) -> None:
+        self.fmt = fmt
+        self._held = ""  # text that may be the start of the trigger
+        self._calls: str | None = None  # the text from the trigger on, once it appeared
+        self._content = False  # llama3: the reply was decided to be text
+
+    def feed(self, text: str) -> str:
+        if self._calls is not None:
+            self._calls += text
+            return ""
+        text = self._held + text
+        trigger = self.fmt.trigger
+        if not self.fmt.text_first:
+            if self._content:
+                self._held = ""
+                return text
+            stripped = text.lstrip()
+            if not stripped:
+                self._held = text
+                return ""
+            if stripped.startswith(trigger):
+                self._calls, self._held = stripped, ""
+                return ""
+            self._content, self._held = True, ""
+            return text
+        at = text.find(trigger)
+        if at != -1:
+            self._calls, self._held = text[at:], ""
+            return text[:at]
+        keep = next((k for k in range(min(len(trigger) - 1, len(text)), 0, -1) if text.endswith(trigger[:k])), 0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self._calls is None:
+            held, self._held = self._held, ""
+            return held, []
+        calls = _read_calls(self._calls, self.fmt)
+        return ("", calls) if calls is not None else (self._calls, [])
+
+
+def _read_calls(text: str, fmt: _Native) -> list[ToolCall] | None:
+    """The calls of ``text`` (from the opening string on), or None when it is not complete."""
+    decoder = json.JSONDecoder()
+    pos = len(fmt.open) if text.startswith(fmt.open) else 0
+    calls = []
+    while True:
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        calls.append(ToolCall(ToolCall.new_id(), obj["name"], _arguments(obj.get(fmt.args_key, {}))))
+        if fmt.sep and text.startswith(fmt.sep, pos):
+            pos += len(fmt.sep)
+            continue
+        rest = text[pos:]
+        return calls if rest == fmt.close or (not fmt.close and not rest.strip()) else None
+
+
+class _JsonReplyParser(OutputParser):
+    """The generic format's one JSON object: ``response`` streamed as content, ``tool_calls`` at the end."""
+
+    _PREFIX = '{"response": "'
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._given = 0  # characters of the response string given out
+        self._string_end: int | None = None  # where the response string ends, once seen
+
+    def feed(self, text: str) -> str:
+        self._text += text
+        if not self._text.startswith(self._PREFIX[: len(self._text)]) or len(self._text) < len(self._PREFIX):
+            return ""
+        decoded, closed = _json_string_prefix(self._text[len(self._PREFIX) :])
+        out = decoded[self._given :]
+        self._given = len(decoded)
+        if closed:
+            self._string_end = len(decoded)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        try:
+            obj = json.loads(self._text)
+        except ValueError:
+            # Cut by max_tokens: the response given so far is the content; a call is dropped.
+            return "", []
+        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
+            return obj["response"][self._given :], []
+        calls = []
+        for c in obj.get("tool_calls", []) if isinstance(obj, dict) else []:
+            calls.append(ToolCall(ToolCall.new_id(), c["name"], _arguments(c.get("arguments", {}))))
+        return "", calls
+
+
+def _json_string_prefix(body: str) -> tuple[str, bool]:
+    """The characters of a JSON string whose text (after the opening quote) starts ``body``, as far
+    as they are certain, and whether the string has closed."""
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        c = body[i]
+        if c == '"':
+            return "".join(out), True
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        if i + 1 >= len(body):
+            break
+        e = body[i + 1]
+        if e == "u":
+            if i + 6 > len(body):
+                break
+            code = int(body[i + 2 : i + 6], 16)
+            if 0xD800 <= code < 0xDC00:  # a surrogate pair: both halves needed
+                if i + 12 > len(body):
+                    break
+                low = int(body[i + 8 : i + 12], 16)
+                out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+                i += 12
+                continue
+            out.append(chr(code))
+            i += 6
+            continue
+        out.append({"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f"}.get(e, e))
+        i += 2
+    return "".join(out), False
