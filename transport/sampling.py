@@ -50,6 +50,7 @@ __all__ = [
     "check_constraint",
     "MAX_LOGPROBS",
     "JSON_LAYOUT",
+    "bounded_schema",
 ]
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
@@ -64,6 +65,38 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
 #: loops on blank lines until max_tokens. The one layout, so what a grammar made a model write is
 #: what ``json.dumps`` writes back (the server's tool calls rely on that).
 JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: An integer a schema leaves unbounded is held to JavaScript's safe range (16 digits), as
+#: llama.cpp's JSON grammars bound them: a small model otherwise writes ``1111...`` until
+#: max_tokens. What is produced still validates against the schema as given.
+SAFE_INTEGER = 2**53 - 1
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "unevaluatedProperties")
+
+
+def bounded_schema(schema: Any) -> Any:
+    """``schema`` with every unbounded integer held to +-:data:`SAFE_INTEGER` (a copy)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    kind = out.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_schema(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = bounded_schema(out[key])
+    return out
+
+
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 MAX_CONSTRAINT_BYTES = 256 * 1024  # a large tool set's schemas fit; a grammar's size bounds its compile
 

@@ -17,7 +17,8 @@ A :class:`ToolFormat` is picked once per model from its chat template (:func:`to
 Decoding (:meth:`ToolFormat.constraint`): ``required`` and a named function force a call whose
 arguments follow the function's JSON schema; ``auto`` lets the model write text, and once it
 starts a call (its opening tag; in the generic format, the ``tool_calls`` key) the call is held to
-the schemas; ``none`` adds no constraint. Every format renders a call back exactly as the grammar
+the schemas; ``none`` allows no call (native formats: free text; generic: only ``{"response": ...}``,
+so the prompt and the reply shape stay those of the conversation). Every format renders a call back exactly as the grammar
 made the model write it (JSON on one line, ``", "`` and ``": "``, the arguments verbatim), so the
 next turn of a session reuses the whole history, tool calls and results included.
 
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from muxworker.transport.sampling import JSON_LAYOUT
+from muxworker.transport.sampling import JSON_LAYOUT, bounded_schema
 
 __all__ = ["Tool", "ToolCall", "ToolRequest", "ToolFormat", "OutputParser", "tool_format", "TOOL_NAME"]
 
@@ -118,7 +119,7 @@ def _one_of(tools: Sequence[Tool], args_key: str) -> dict[str, Any]:
 def _lark_json(tools: Sequence[Tool], args_key: str) -> str:
     """A Lark ``%json`` of one call, in the one JSON layout (a schema inside a Lark grammar takes
     its options from its own ``x-guidance``)."""
-    return "%json " + json.dumps({**_one_of(tools, args_key), "x-guidance": JSON_LAYOUT})
+    return "%json " + json.dumps({**bounded_schema(_one_of(tools, args_key)), "x-guidance": JSON_LAYOUT})
 
 
 def _lark_text(value: str) -> str:
@@ -170,7 +171,9 @@ class GenericFormat(ToolFormat):
     name = "generic"
 
     def _active(self, request: ToolRequest | None) -> bool:
-        return request is not None and bool(request.callable)
+        # With tools given, every reply is the JSON object, tool_choice none included (then only
+        # {"response": ...} is allowed): the prompt stays the same whatever tool_choice says.
+        return request is not None and bool(request.tools)
 
     def messages(self, messages: list[dict[str, Any]], request: ToolRequest | None) -> list[dict[str, Any]]:
         active = self._active(request)
@@ -217,8 +220,16 @@ class GenericFormat(ToolFormat):
         )
 
     def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
-        if not request.callable:
+        response = {
+            "type": "object",
+            "properties": {"response": {"type": "string"}},
+            "required": ["response"],
+            "additionalProperties": False,
+        }
+        if not request.tools:
             return None
+        if not request.callable:
+            return {"json_schema": response}
         calls: dict[str, Any] = {"type": "array", "items": _one_of(request.callable, "arguments"), "minItems": 1}
         if request.most is not None:
             calls["maxItems"] = request.most
@@ -229,12 +240,6 @@ class GenericFormat(ToolFormat):
             "additionalProperties": False,
         }
         if not request.forced:
-            response = {
-                "type": "object",
-                "properties": {"response": {"type": "string"}},
-                "required": ["response"],
-                "additionalProperties": False,
-            }
             schema = {"anyOf": [schema, response]}
         return {"json_schema": schema}
 

@@ -165,3 +165,24 @@ def test_a_save_file_reply_round_trips_and_a_short_one_is_a_protocol_error():
     assert messages.SaveFileReply.from_wire(reply.to_wire()) == reply
     with pytest.raises(ProtocolError, match="lacks 'geometry'"):
         messages.SaveFileReply.from_wire({k: v for k, v in reply.to_wire().items() if k != "geometry"})
+
+
+def test_bounded_schema_bounds_only_unbounded_integers_everywhere():
+    from muxworker.transport.sampling import SAFE_INTEGER, bounded_schema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "integer", "minimum": 0},
+            "c": {"type": "array", "items": {"anyOf": [{"type": ["integer", "null"]}, {"type": "string"}]}},
+        },
+        "$defs": {"d": {"type": "integer", "exclusiveMaximum": 5}},
+    }
+    out = bounded_schema(schema)
+    assert out["properties"]["a"] == {"type": "integer", "maximum": SAFE_INTEGER, "minimum": -SAFE_INTEGER}
+    assert out["properties"]["b"] == {"type": "integer", "minimum": 0, "maximum": SAFE_INTEGER}
+    assert out["properties"]["c"]["items"]["anyOf"][0]["maximum"] == SAFE_INTEGER
+    assert out["properties"]["c"]["items"]["anyOf"][1] == {"type": "string"}
+    assert out["$defs"]["d"] == {"type": "integer", "exclusiveMaximum": 5, "minimum": -SAFE_INTEGER}
+    assert schema["properties"]["a"] == {"type": "integer"}  # a copy

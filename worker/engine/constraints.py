@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from muxworker.transport.errors import InvalidArgument
-from muxworker.transport.sampling import JSON_LAYOUT
+from muxworker.transport.sampling import JSON_LAYOUT, bounded_schema
 
 if TYPE_CHECKING:
     import llguidance
@@ -92,7 +92,7 @@ class GrammarCompiler:
         (kind, value), *_ = constraint.items()
         try:
             if kind in ("json_schema", "json_object"):
-                schema = value if kind == "json_schema" else {"type": "object"}
+                schema = bounded_schema(value) if kind == "json_schema" else {"type": "object"}
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     schema, defaults=cast("JsonCompileOptions", JSON_LAYOUT)
                 )

@@ -168,7 +168,9 @@ def test_auto_leaves_text_free_and_holds_a_started_call_to_the_schema(engines):
     assert not accepts('<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>')
     generic = compiler.compile(GENERIC.constraint(ToolRequest((WEATHER,), "auto")))
     assert generic.matcher.consume_tokens(engine.tokenizer.encode('{"response": "Hi there"}'))
-    assert GENERIC.constraint(ToolRequest((WEATHER,), "none")) is None
+    none = compiler.compile(GENERIC.constraint(ToolRequest((WEATHER,), "none")))
+    assert not none.matcher.consume_tokens(engine.tokenizer.encode('{"tool_calls": ['))
+    assert HERMES.constraint(ToolRequest((WEATHER,), "none")) is None
 
 
 def test_the_parser_streams_content_and_holds_back_a_tag():

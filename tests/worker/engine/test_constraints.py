@@ -153,3 +153,19 @@ def test_ngram_drafting_leaves_constrained_requests_alone(tiny_llama_dir):
     text, result = run(engine)[1]
     assert re.fullmatch(pattern, text) and result["finish_reason"] == "stop"
     assert result["draft_proposed_tokens"] == 0
+
+
+def test_an_unbounded_integer_is_held_to_sixteen_digits(engine):
+    """A random model would write digits for ever; the schema as given still validates the output."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        text, result = _generate(engine, {"json_schema": schema}, n=60, temperature=1.0, seed=seed)
+        assert result["finish_reason"] == "stop", text
+        value = json.loads(text)["n"]
+        jsonschema.validate({"n": value}, schema)
+        assert abs(value) <= 2**53 - 1
