@@ -4,8 +4,10 @@ default path (4-bit weights, bfloat16), in-process, side by side in one run.
 1. Decode tok/s with a JSON schema against the same requests unconstrained, on 1 and on 8
    concurrent sessions. Both run to ``--tokens`` (the schema asks for a long array, so the grammar
    never completes first), greedy, from the same chat prompts; the repeats alternate the two.
-2. Validity: ``--samples`` generations at temperature 1 under a JSON schema, each parsed and
-   validated with ``jsonschema``; the share that finished (``stop``) and the share that validated.
+2. Validity: ``--samples`` generations at temperature 1 under a JSON schema, under
+   ``tool_choice: required`` and under a named function (the server's generic tool format, the
+   bundled model's), each parsed and validated with ``jsonschema``: how many finished (``stop``)
+   and how many of those validated.
 
     python scripts/bench_constrained.py [--tokens 96] [--repeats 3] [--samples 200] [--threads N]
 """
@@ -19,6 +21,7 @@ import time
 import jsonschema
 import torch
 
+from muxworker.client.serve.tools import GENERIC, Tool, ToolRequest
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams
@@ -84,18 +87,52 @@ def decode_rate(engine, sessions: int, tokens: int, constraint: dict | None, rid
     return made / dt
 
 
-def validity(engine, samples: int, max_tokens: int) -> tuple[int, int, float]:
+WEATHER = Tool(
+    "get_weather",
+    "The current weather in a city",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+)
+ADD = Tool(
+    "add",
+    "Add two integers",
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+)
+
+
+def _schema_check(text: str) -> bool:
+    jsonschema.validate(json.loads(text), PERSON)
+    return True
+
+
+def _calls_check(request: ToolRequest):
+    def check(text: str) -> bool:
+        parser = GENERIC.parser(request)
+        parser.feed(text)
+        _, calls = parser.finish()
+        names = {t.name: t.parameters for t in request.callable}
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), names[call.name])
+        return bool(calls)
+
+    return check
+
+
+def validity(
+    engine, samples: int, max_tokens: int, prompt: list[int], constraint: dict, check
+) -> tuple[int, int, float]:
     """(finished, valid, seconds) over ``samples`` generations at temperature 1, 8 at a time."""
-    prompt = _chat(engine, "Invent a person and describe them as JSON with name, age, email and tags.")
     finished = valid = 0
     t0 = time.perf_counter()
     for start in range(0, samples, 8):
         batch = range(start, min(samples, start + 8))
         for k in batch:
             engine.open_session(f"v{k}")
-            params = SamplingParams(
-                max_new_tokens=max_tokens, temperature=1.0, seed=k, constraint={"json_schema": PERSON}
-            )
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, seed=k, constraint=constraint)
             engine.submit(10_000 + k, f"v{k}", prompt, params)
         texts, results = _drain(engine)
         for k in batch:
@@ -104,11 +141,16 @@ def validity(engine, samples: int, max_tokens: int) -> tuple[int, int, float]:
                 continue
             finished += 1
             try:
-                jsonschema.validate(json.loads(texts[10_000 + k]), PERSON)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
+                valid += check(texts[10_000 + k])
+            except (ValueError, KeyError, jsonschema.ValidationError):
                 pass
     return finished, valid, time.perf_counter() - t0
+
+
+def _tool_prompt(engine, request: ToolRequest) -> list[int]:
+    messages = GENERIC.messages([{"role": "user", "content": "What is the weather in Paris, and 2 plus 3?"}], request)
+    rendered = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return engine.tokenizer.encode(rendered, parse_special=True)
 
 
 def main() -> int:
@@ -140,11 +182,19 @@ def main() -> int:
             rid += 1000
         print(f"| {sessions} | {max(free):.1f} | {max(guided):.1f} | {max(guided) / max(free):.2f} |")
     if args.samples:
-        finished, valid, seconds = validity(engine, args.samples, args.max_tokens)
-        print(
-            f"\nvalidity: {args.samples} generations at temperature 1 under a JSON schema: {finished} finished "
-            f"(stop) within {args.max_tokens} tokens, {valid} of them parse and validate ({seconds:.0f} s)"
-        )
+        print(f"\nvalidity: {args.samples} generations each at temperature 1, at most {args.max_tokens} tokens")
+        print("| constraint | finished (stop) | parse and validate | seconds |")
+        print("|---|---:|---:|---:|")
+        person = _chat(engine, "Invent a person and describe them as JSON with name, age, email and tags.")
+        cases = [("json_schema (person)", person, {"json_schema": PERSON}, _schema_check)]
+        for label, request in (
+            ("tool_choice required", ToolRequest((WEATHER, ADD), "required", parallel=False)),
+            ("tool_choice named (add)", ToolRequest((WEATHER, ADD), "function", "add")),
+        ):
+            cases.append((label, _tool_prompt(engine, request), GENERIC.constraint(request), _calls_check(request)))
+        for label, prompt, constraint, check in cases:
+            finished, valid, seconds = validity(engine, args.samples, args.max_tokens, prompt, constraint, check)
+            print(f"| {label} | {finished} | {valid} | {seconds:.0f} |")
     return 0
 
 
