@@ -48,6 +48,7 @@ from muxworker.transport.messages import (
     ChatTemplateRequest,
     CloseSession,
     DetokenizeRequest,
+    ForkSession,
     GenerateRequest,
     GenerationResult,
     InfoRequest,
@@ -371,6 +372,14 @@ class MultiplexedWorkerClient:
         """Forget a session's history and keep it open; its running generation ends "cancelled" first."""
         _check_session_id(session_id)
         await self._send(ResetSession(session_id), expect="ok")
+
+    async def fork_session(self, session_id: str, target_id: str, rows: int) -> None:
+        """Make open session ``target_id``'s history the first ``rows`` tokens of ``session_id``'s,
+        their KV rows copied in the worker (no recomputation): ``target_id`` continues from there.
+        ``session_id`` may be generating meanwhile; ``target_id`` must be idle."""
+        _check_session_id(session_id)
+        _check_session_id(target_id)
+        await self._send(ForkSession(session_id, target_id, rows), expect="ok")
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: Any) -> GenerationStream:
         """Start a generation and return its stream at once (the request is sent in call order).

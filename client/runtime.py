@@ -490,6 +490,20 @@ class SessionRuntime:
 
         return await self._call(session_id, body, outside_capacity=True)
 
+    async def fork_session(self, session_id: str, target_id: str, rows: int) -> None:
+        """Make live session ``target_id``'s history the first ``rows`` tokens of live session
+        ``session_id``'s (the client's :meth:`~.MultiplexedWorkerClient.fork_session`), in
+        ``target_id``'s turn; ``session_id`` may be generating meanwhile."""
+
+        async def body() -> None:
+            for sid in (session_id, target_id):
+                tracked = self._sessions.get(sid)
+                if tracked is None or tracked.evicted:
+                    raise SessionNotFound(f"session {sid!r} is not live in this runtime")
+            await self.client.fork_session(session_id, target_id, rows)
+
+        return await self._call(target_id, body)
+
     async def reset_session(self, session_id: str) -> None:
         """Forget a session's history and keep it open. An evicted one is not loaded: it stays
         evicted with nothing to resume, and its next use reopens it empty (its file stays)."""

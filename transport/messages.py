@@ -41,6 +41,7 @@ __all__ = [
     "OpenSession",
     "CloseSession",
     "ResetSession",
+    "ForkSession",
     "CancelRequest",
     "TokenizeRequest",
     "DetokenizeRequest",
@@ -83,6 +84,16 @@ class CloseSession(_SessionRequest):
 
 class ResetSession(_SessionRequest):
     KIND: ClassVar[str] = "reset"
+
+
+@dataclass(frozen=True)
+class ForkSession(_SessionRequest):
+    """Make open session ``target_id``'s history the first ``rows`` tokens of ``session_id``'s,
+    their KV rows copied slot to slot (``Engine.fork_session``)."""
+
+    KIND: ClassVar[str] = "fork"
+    target_id: str
+    rows: int
 
 
 @dataclass(frozen=True)
@@ -382,6 +393,7 @@ REQUESTS: dict[str, type[_Request]] = {
         OpenSession,
         CloseSession,
         ResetSession,
+        ForkSession,
         CancelRequest,
         InfoRequest,
         TokenizeRequest,

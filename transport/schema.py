@@ -375,6 +375,11 @@ MESSAGES: dict[str, MessageSpec] = {
     "open": _client("Open an empty session. Reply: ok.", {"session_id": SESSION_ID}),
     "close": _client("Close a session and free its cache. Reply: ok.", {"session_id": SESSION_ID}),
     "reset": _client("Forget a session's history, keep it open. Reply: ok.", {"session_id": SESSION_ID}),
+    "fork": _client(
+        "Make open session `target_id`'s history the first `rows` tokens of `session_id`'s, their KV copied "
+        "slot to slot (`target_id` idle; `session_id` may be generating). Reply: ok.",
+        {"session_id": SESSION_ID, "target_id": SESSION_ID, "rows": Int(0, _I64_MAX)},
+    ),
     "generate": _client(
         "Generate from the prompt segments, which are the session's whole next context (not appended): "
         "the longest prefix of them that the session's cache still retains is reused and the rest "

@@ -69,6 +69,7 @@ from muxworker.transport.messages import (
     ChatTemplateRequest,
     CloseSession,
     DetokenizeRequest,
+    ForkSession,
     InfoRequest,
     OpenSession,
     ResetSession,
@@ -259,6 +260,7 @@ class WorkerServer:
             OpenSession.KIND: self._open,
             CloseSession.KIND: self._close,
             ResetSession.KIND: self._reset,
+            ForkSession.KIND: self._fork,
             CancelRequest.KIND: self._cancel,
             TokenizeRequest.KIND: self._tokenize,
             DetokenizeRequest.KIND: self._detokenize,
@@ -533,6 +535,10 @@ class WorkerServer:
     def _reset(self, rid: int, msg: ResetSession, frame: Frame) -> None:
         self._engine.reset_session(msg.session_id)
         self._deferred.append(self._ok(rid))
+
+    def _fork(self, rid: int, msg: ForkSession, frame: Frame) -> None:
+        self._engine.fork_session(msg.session_id, msg.target_id, msg.rows)
+        self._write(self._ok(rid))
 
     def _generate(self, rid: int, control: dict[str, Any], frame: Frame, guide: Guide | None = None) -> None:
         from muxworker.worker.engine.sampling import SamplingParams

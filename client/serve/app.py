@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from muxworker.client.params import CheckedParams
+
+if sys.version_info < (3, 11):  # pragma: no cover - trio brings the backport
+    from exceptiongroup import BaseExceptionGroup
 from muxworker.client.runtime import RuntimeStream
 from muxworker.transport.checkpoint import CheckpointNotFound
 from muxworker.transport.errors import MuxError
@@ -243,19 +247,26 @@ class _GenerationEndpoint:
                 sid, runtime = await self.service.open_ephemeral(tenant)
         except Exception as exc:
             raise oa.error_from_mux(exc) from None
+        salt = tenant.cache_salt(parsed.cache_salt)
+        extras: list[_Choice] = []
+        cached: int | None = None
         try:
-            stream, runtime = self.service.generate(sid, prompt, params, tenant.cache_salt(parsed.cache_salt))
-        except MuxError as exc:
+            if parsed.n > 1:
+                cached, extras = await self._forks(tenant, sid, prompt, params, salt, parsed.n, parser)
+            stream, runtime = self.service.generate(sid, prompt, params, salt)
+        except Exception as exc:
             if runtime is not None:  # the stateless session opened for it
                 self.service.release_ephemeral(runtime, sid)
+            self._release(extras)
             raise oa.error_from_mux(exc) from None
-        turn = _Turn(self.service, runtime, sid, public_sid, stream, parser)
+        turn = _Turn(self.service, runtime, sid, public_sid, stream, parser, extras, cached)
         self.metrics.in_flight.inc()
         try:
             error: oa.APIError | None = None
             status = 200
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_disconnect, receive, stream)
+                streams = [stream] + [c.stream for c in extras if c.stream is not None]
+                nursery.start_soon(self._watch_disconnect, receive, streams)
                 try:
                     if parsed.stream:
                         status = await self._stream(send, turn, parsed, t0)
@@ -271,32 +282,85 @@ class _GenerationEndpoint:
         finally:
             self.metrics.in_flight.dec()
             stream.cancel()  # a no-op once it has ended
+            self._release(extras)
             # Both wait behind the generation on the session's lease, in the background.
             if public_sid is None:
                 self.service.release_ephemeral(runtime, sid)
             else:
                 self.service.after_turn(runtime, sid, turn.result, saved=turn.saved)
 
-    @staticmethod
-    async def _send_delta(send: Send, writer: oa.ChunkWriter, turn: _Turn, text: str, sent: int) -> int:
-        """One text delta as a chunk (what of it is content: a tool call's text is not); returns how
-        many tokens' logprobs have been sent."""
-        entries = turn.stream.logprobs_from(sent)
-        content = turn.parser.feed(text)
+    async def _forks(
+        self,
+        tenant: Tenant,
+        sid: str,
+        prompt: str | list[int],
+        params: CheckedParams,
+        salt: str,
+        n: int,
+        parser: OutputParser,
+    ) -> tuple[int, list[_Choice]]:
+        """For ``n`` choices: prefill the prompt once, on the request's own session (one greedy
+        token, which the first choice then replaces), fork its rows into ``n - 1`` stateless
+        sessions and start their generations; each samples with its own seed (the request's seed
+        plus its index, when it gave one). Returns the prompt tokens the prefill reused, and the
+        choices 1..n-1."""
+        once = CheckedParams("", {"max_new_tokens": 1, "temperature": 0.0, "stop_token_ids": []})
+        stream, runtime = self.service.generate(sid, prompt, once, salt)
+        prefill = await stream.wait()
+        if prefill.finish_reason == "cancelled":
+            raise oa.APIError(499, "the client went away", code="cancelled")
+        extras: list[_Choice] = []
+        try:
+            for index in range(1, n):
+                fork, fork_runtime = await self.service.open_ephemeral(tenant)
+                extras.append(_Choice(index, fork, fork_runtime, None, _fresh_parser(parser)))
+                await fork_runtime.fork_session(sid, fork, prefill.prompt_tokens)
+            for choice in extras:
+                fields = dict(params.fields)
+                if fields.get("seed") is not None:
+                    fields["seed"] = (fields["seed"] + choice.index) % 2**63
+                choice.stream, _ = self.service.generate(choice.sid, prompt, CheckedParams("", fields), salt)
+        except BaseException:
+            self._release(extras)
+            raise
+        return prefill.reused_prompt_tokens, extras
+
+    def _release(self, choices: list[_Choice]) -> None:
+        for choice in choices:
+            if choice.stream is not None:
+                choice.stream.cancel()
+            self.service.release_ephemeral(choice.runtime, choice.sid)
+        choices.clear()
+
+    async def _send_delta(self, out: _Out, choice: _Choice, text: str) -> None:
+        """One text delta of ``choice`` as a chunk (what of it is content: a tool call's text is not)."""
+        assert choice.stream is not None
+        entries = choice.stream.logprobs_from(choice.sent)
+        content = choice.parser.feed(text)
         if content or entries:
-            await _body(send, writer.delta(content, entries))
-        return sent + len(entries)
+            await out.send(out.writer.delta(content, entries, choice.index))
+        choice.sent += len(entries)
+
+    async def _end_choice(self, out: _Out, choice: _Choice, result: Any, session: dict | None = None) -> None:
+        content, calls = choice.parser.finish()
+        if content:
+            await out.send(out.writer.delta(content, (), choice.index))
+        if calls:
+            await out.send(out.writer.tool_calls(calls, choice.index))
+        rest = (result.logprobs or ())[choice.sent :]  # tokens no text chunk carried (a stop token)
+        await out.send(out.writer.finish(result, session, rest, calls, choice.index))
 
     def _logprobs(self, parsed: Any) -> oa.Logprobs | None:
         return oa.Logprobs(self.service.token_bytes, self.chat) if parsed.logprobs is not None else None
 
-    async def _watch_disconnect(self, receive: Receive, stream: RuntimeStream) -> None:
+    async def _watch_disconnect(self, receive: Receive, streams: list[RuntimeStream]) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not stream.finished:
+                if not all(stream.finished for stream in streams):
                     self.metrics.disconnects.inc()
-                stream.cancel()
+                for stream in streams:
+                    stream.cancel()
                 return
 
     def _account(self, stream_result: Any) -> None:
@@ -304,31 +368,47 @@ class _GenerationEndpoint:
         self.metrics.cached_tokens.inc(stream_result.reused_prompt_tokens)
         self.metrics.completion_tokens.inc(stream_result.completion_tokens)
 
-    async def _complete(self, scope: Scope, receive: Receive, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
-        stream, sid = turn.stream, turn.public_sid
+    async def _collect(self, choice: _Choice, t0: float | None = None) -> oa.Choice:
+        """Read one choice to its end (``t0``: observe its time to first token)."""
+        assert choice.stream is not None
         parts: list[str] = []
-        first = True
+        async for text in choice.stream:
+            if t0 is not None:
+                self.metrics.ttft.observe(time.perf_counter() - t0)
+                t0 = None
+            parts.append(choice.parser.feed(text))
+        result = await choice.stream.wait()
+        rest, calls = choice.parser.finish()
+        parts.append(rest)
+        return oa.Choice(choice.index, "".join(parts), result, calls)
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
+        first = _Choice(0, turn.sid, turn.runtime, turn.stream, turn.parser)
+        everyone = [first, *turn.extras]
+        done: dict[int, oa.Choice] = {}
+
+        async def collect(choice: _Choice) -> None:
+            done[choice.index] = await self._collect(choice, t0 if choice is first else None)
+
         try:
-            async for text in stream:
-                if first:
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
-                    first = False
-                parts.append(turn.parser.feed(text))
-            result = await stream.wait()
+            async with trio.open_nursery() as nursery:
+                for choice in everyone:
+                    nursery.start_soon(collect, choice)
         except MuxError as exc:
             raise oa.error_from_mux(exc) from None
-        self._account(result)
-        if result.finish_reason == "cancelled":
+        except BaseExceptionGroup as group:
+            raise oa.error_from_mux(_first_error(group)) from None
+        choices = [done[i] for i in range(len(everyone))]
+        for c in choices:
+            self._account(c.result)
+        if any(c.result.finish_reason == "cancelled" for c in choices):
             return 499  # nobody to answer
-        rest, calls = turn.parser.finish()
-        parts.append(rest)
-        session = await turn.settle(result)
-        rid = oa.new_id("chatcmpl" if self.chat else "cmpl")
+        session = await turn.settle(choices[0].result)
         lp = self._logprobs(parsed)
-        if self.chat:
-            body = oa.chat_completion(rid, parsed.model, "".join(parts), result, sid, session, lp, calls)
-        else:
-            body = oa.text_completion(rid, parsed.model, "".join(parts), result, sid, session, lp)
+        for c in choices:
+            c.logprobs = lp
+        rid = oa.new_id("chatcmpl" if self.chat else "cmpl")
+        body = oa.completion_body(self.chat, rid, parsed.model, choices, turn.public_sid, session, turn.cached)
         await _json(body, 200, turn.headers())(scope, receive, send)
         return 200
 
@@ -354,40 +434,90 @@ class _GenerationEndpoint:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if self.chat:
-            await _body(send, writer.role())
+        out = _Out(send, writer)
+        main = _Choice(0, turn.sid, turn.runtime, stream, turn.parser)
+        results: dict[int, Any] = {}
+
+        async def others(choice: _Choice) -> None:
+            assert choice.stream is not None
+            if self.chat:
+                await out.send(writer.role(choice.index))
+            async for text in choice.stream:
+                await self._send_delta(out, choice, text)
+            results[choice.index] = result = await choice.stream.wait()
+            if result.finish_reason != "cancelled":
+                await self._end_choice(out, choice, result)
+
         overhead, inter = self.metrics.stream_overhead, self.metrics.inter_token
         last = now
         try:
-            sent = 0
-            if first is not None:
-                sent = await self._send_delta(send, writer, turn, first, 0)
-                async for text in stream:
-                    got = time.perf_counter()
-                    inter.observe(got - last)
-                    sent = await self._send_delta(send, writer, turn, text, sent)
-                    last = time.perf_counter()
-                    overhead.observe(last - got)
-            result = await stream.wait()
-        except MuxError as exc:
+            async with trio.open_nursery() as nursery:
+                if self.chat:
+                    await out.send(writer.role())
+                for choice in turn.extras:
+                    nursery.start_soon(others, choice)
+                if first is not None:
+                    await self._send_delta(out, main, first)
+                    async for text in stream:
+                        got = time.perf_counter()
+                        inter.observe(got - last)
+                        await self._send_delta(out, main, text)
+                        last = time.perf_counter()
+                        overhead.observe(last - got)
+                results[0] = await stream.wait()
+        except (MuxError, BaseExceptionGroup) as exc:
             # Headers are gone: the error travels as an event, as OpenAI's API does mid-stream.
-            await _body(send, writer.error(oa.error_from_mux(exc)))
+            error = _first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            await _body(send, writer.error(oa.error_from_mux(error)))
             await _body(send, oa.DONE, more=False)
             return 200
-        self._account(result)
-        if result.finish_reason == "cancelled":
+        ordered = [results[i] for i in range(1 + len(turn.extras))]
+        for result in ordered:
+            self._account(result)
+        if any(r.finish_reason == "cancelled" for r in ordered):
             return 499
-        content, calls = turn.parser.finish()
-        if content:
-            await _body(send, writer.delta(content))
-        if calls:
-            await _body(send, writer.tool_calls(calls))
-        rest = (result.logprobs or ())[sent:]  # tokens no text chunk carried (a stop token)
-        await _body(send, writer.finish(result, await turn.settle(result), rest, calls))
+        await self._end_choice(out, main, ordered[0], await turn.settle(ordered[0]))
         if parsed.include_usage:
-            await _body(send, writer.usage(result))
+            await _body(send, writer.usage(ordered, turn.cached))
         await _body(send, oa.DONE, more=False)
         return 200
+
+
+@dataclass
+class _Choice:
+    """One choice of a request: the session it runs on and its stream, parser and progress."""
+
+    index: int
+    sid: str
+    runtime: Any
+    stream: RuntimeStream | None
+    parser: OutputParser
+    sent: int = 0  # tokens whose logprobs have been sent
+
+
+class _Out:
+    """The response's body chunks, one writer at a time (choices stream from their own tasks)."""
+
+    def __init__(self, send: Send, writer: oa.ChunkWriter) -> None:
+        self.writer = writer
+        self._send = send
+        self._lock = trio.Lock()
+
+    async def send(self, chunk: bytes) -> None:
+        async with self._lock:
+            await _body(self._send, chunk)
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (a choice's error)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _fresh_parser(parser: OutputParser) -> OutputParser:
+    """A parser like ``parser`` for another choice (parsers hold one output's state)."""
+    return parser.fresh()
 
 
 class _Turn:
@@ -403,9 +533,13 @@ class _Turn:
         public_sid: str | None,
         stream: RuntimeStream,
         parser: OutputParser,
+        extras: list[_Choice] | None = None,
+        cached: int | None = None,
     ) -> None:
         self.service = service
         self.parser = parser  # the reply's content and tool calls (client/serve/tools.py)
+        self.extras = extras or []  # choices 1..n-1 (n > 1), on stateless forks of the session
+        self.cached = cached  # n > 1: the prompt tokens the one prefill reused
         self.runtime = runtime
         self.sid = sid
         self.public_sid = public_sid

@@ -83,6 +83,7 @@ _CHAT_FIELDS |= {"logit_bias", "functions", "function_call", "modalities"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", "logit_bias"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOOLS = 128
+MAX_CHOICES = 8  # n; each choice also takes a session slot while it runs
 
 
 class APIError(Exception):
@@ -189,6 +190,7 @@ class _Common:
     session_id: str | None
     cache_salt: str | None
     logprobs: int | None = None  # None: not asked; k: each token's logprob and its k most likely alternatives
+    n: int = 1  # choices: the prompt prefilled once and forked (each also needs a free session slot)
 
 
 @dataclass
@@ -286,8 +288,8 @@ def _common(
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         include_usage = bool(options.get("include_usage", False))
     n = _integer(body, "n")
-    if n not in (None, 1):
-        raise bad_request(f"n={n} is not supported: one choice per request", param="n", code="unsupported")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
     max_tokens = _integer(body, "max_tokens")
     if max_tokens_field is not None and body.get(max_tokens_field) is not None:
         max_tokens = _integer(body, max_tokens_field)
@@ -341,7 +343,7 @@ def _common(
     if ignore_eos:
         sampled["stop_token_ids"] = []
     params = CheckedParams("", sampled)
-    return _Common(served_model, stream, include_usage, params, session_id, salt, logprobs)
+    return _Common(served_model, stream, include_usage, params, session_id, salt, logprobs, n or 1)
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -547,14 +549,18 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Comp
 # -- responses ------------------------------------------------------------------------------------
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens`` are the prompt tokens whose KV was reused (the
-    session's own history, a resumed file, or a prefix-cache entry of the same namespace)."""
+def usage(results: Sequence[GenerationResult], cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object of one request's choices (the prompt counted once); ``cached_tokens``
+    are the prompt tokens whose KV was reused (the session's own history, a resumed file, or a
+    prefix-cache entry of the same namespace): the first choice's, unless ``cached`` says."""
+    prompt = results[0].prompt_tokens
+    completion = sum(r.completion_tokens for r in results)
+    reused = results[0].reused_prompt_tokens if cached is None else cached
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.reused_prompt_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reused},
     }
 
 
@@ -609,25 +615,48 @@ class Logprobs:
         }
 
 
-def _completion(
-    kind: str,
-    choice: dict,
+@dataclass
+class Choice:
+    """One choice of a reply: its text (content), tool calls, result and logprobs."""
+
+    index: int
+    text: str
+    result: GenerationResult
+    calls: Sequence[ToolCall] = ()
+    logprobs: Logprobs | None = None
+
+    def chat(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.text if self.text or not self.calls else None}
+        if self.calls:
+            message["tool_calls"] = [c.openai() for c in self.calls]
+        return {"index": self.index, "message": message, **self._tail()}
+
+    def completion(self) -> dict[str, Any]:
+        return {"index": self.index, "text": self.text, **self._tail()}
+
+    def _tail(self) -> dict[str, Any]:
+        lp = self.logprobs.of(self.result.logprobs or ()) if self.logprobs is not None else None
+        return {"logprobs": lp, "finish_reason": finish_reason(self.result, self.calls)}
+
+
+def completion_body(
+    chat: bool,
     rid: str,
     model: str,
-    result: GenerationResult,
+    choices: Sequence[Choice],
     sid: str | None,
     session: dict | None,
-    logprobs: Logprobs | None,
-    calls: Sequence[ToolCall] = (),
+    cached: int | None = None,
 ) -> dict:
-    lp = logprobs.of(result.logprobs or ()) if logprobs is not None else None
+    """A chat completion or a text completion of ``choices``; ``session``: the named session's
+    durability (docs/SERVER.md)."""
     body: dict[str, Any] = {
         "id": rid,
-        "object": kind,
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": finish_reason(result, calls)}],
-        "usage": usage(result),
+        "choices": [c.chat() if chat else c.completion() for c in choices],
+        "usage": usage([c.result for c in choices], cached),
     }
     if sid is not None:
         body["session_id"] = sid
@@ -636,42 +665,11 @@ def _completion(
     return body
 
 
-def chat_completion(
-    rid: str,
-    model: str,
-    text: str,
-    result: GenerationResult,
-    session_id: str | None,
-    session: dict | None = None,
-    logprobs: Logprobs | None = None,
-    calls: Sequence[ToolCall] = (),
-) -> dict:
-    """A chat completion; ``session``: the named session's durability (docs/SERVER.md); ``calls``:
-    the tool calls the reply made (content is then null unless the model also wrote text)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-    if calls:
-        message["tool_calls"] = [c.openai() for c in calls]
-    choice = {"message": message}
-    return _completion("chat.completion", choice, rid, model, result, session_id, session, logprobs, calls)
-
-
-def text_completion(
-    rid: str,
-    model: str,
-    text: str,
-    result: GenerationResult,
-    session_id: str | None,
-    session: dict | None = None,
-    logprobs: Logprobs | None = None,
-) -> dict:
-    return _completion("text_completion", {"text": text}, rid, model, result, session_id, session, logprobs)
-
-
 class ChunkWriter:
     """Server-sent events of one streamed completion, as bytes.
 
-    A chunk for each text delta is the hot path (one per token): the JSON around the text is
-    rendered once per request, so a delta costs one ``json.dumps`` of its text.
+    A chunk for each text delta of choice 0 is the hot path (one per token): the JSON around the
+    text is rendered once per request, so a delta costs one ``json.dumps`` of its text.
     """
 
     def __init__(self, rid: str, model: str, chat: bool, logprobs: Logprobs | None = None) -> None:
@@ -691,29 +689,35 @@ class ChunkWriter:
             self._open = f'data: {prefix}, "choices": [{{"index": 0, "text": '
             self._close = ', "logprobs": null, "finish_reason": null}]}\n\n'
 
-    def role(self) -> bytes:
-        """The first chat chunk: the assistant role, no content yet (as OpenAI sends it)."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def role(self, index: int = 0) -> bytes:
+        """A choice's first chat chunk: the assistant role, no content yet (as OpenAI sends it)."""
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return self._event({**self._head, "choices": [choice]})
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> bytes:
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> bytes:
         """A chunk of ``text``, with the logprobs of the tokens that made it (when asked for)."""
-        if self.logprobs is None:
+        if self.logprobs is None and index == 0:
             return (self._open + json.dumps(text) + self._close).encode()
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs.of(logprobs), "finish_reason": None}
+        lp = self.logprobs.of(logprobs) if self.logprobs is not None else None
+        choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": None}
         if self.chat:
             choice["delta"] = {"content": text}
         else:
             choice["text"] = text
         return self._event({**self._head, "choices": [choice]})
 
-    def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
+    def tool_calls(self, calls: Sequence[ToolCall], index: int = 0) -> bytes:
         """OpenAI's tool-call deltas: per call, its index, id and name, then its arguments."""
         out = []
         for i, call in enumerate(calls):
             head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             for part in (head, {"index": i, "function": {"arguments": call.arguments}}):
-                choice = {"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
                 out.append(self._event({**self._head, "choices": [choice]}))
         return b"".join(out)
 
@@ -723,11 +727,12 @@ class ChunkWriter:
         session: dict | None = None,
         logprobs: Sequence[TokenLogprob] = (),
         calls: Sequence[ToolCall] = (),
+        index: int = 0,
     ) -> bytes:
-        """The chunk with the finish reason; ``session``: the named session's durability;
+        """A choice's chunk with its finish reason; ``session``: the named session's durability;
         ``logprobs``: those of tokens no text chunk carried (a stop token, say)."""
         lp = self.logprobs.of(logprobs) if self.logprobs is not None and logprobs else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": finish_reason(result, calls)}
+        choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": finish_reason(result, calls)}
         if self.chat:
             choice["delta"] = {}
         else:
@@ -737,8 +742,8 @@ class ChunkWriter:
             chunk["session"] = session
         return self._event(chunk)
 
-    def usage(self, result: GenerationResult) -> bytes:
-        return self._event({**self._head, "choices": [], "usage": usage(result)})
+    def usage(self, results: Sequence[GenerationResult], cached: int | None = None) -> bytes:
+        return self._event({**self._head, "choices": [], "usage": usage(results, cached)})
 
     @staticmethod
     def error(err: APIError) -> bytes:

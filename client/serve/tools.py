@@ -341,6 +341,10 @@ def tool_format(chat_template: str | None) -> ToolFormat:
 class OutputParser:
     """Free text: everything is content."""
 
+    def fresh(self) -> OutputParser:
+        """A parser like this one for another output (one parser holds one output's state)."""
+        return type(self)()
+
     def feed(self, text: str) -> str:
         """The content ``text`` adds (possibly less: a part that may open a call is held back)."""
         return text
@@ -358,6 +362,9 @@ class _TaggedParser(OutputParser):
         self._held = ""  # text that may be the start of the trigger
         self._calls: str | None = None  # the text from the trigger on, once it appeared
         self._content = False  # llama3: the reply was decided to be text
+
+    def fresh(self) -> OutputParser:
+        return _TaggedParser(self.fmt)
 
     def feed(self, text: str) -> str:
         if self._calls is not None:

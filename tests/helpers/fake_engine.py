@@ -211,6 +211,14 @@ class FakeEngine:
                 else:
                     session.tokens, session.kv_len = [], 0
                 value = {}
+            elif kind == "fork":
+                source, target = self._session(sid, idle=False), self._session(fields["target_id"])
+                if target.generation is not None:
+                    raise SessionBusy(f"session {fields['target_id']!r} is generating")
+                if not 0 <= fields["rows"] <= source.kv_len:
+                    raise InvalidArgument(f"rows must be in [0, {source.kv_len}]")
+                target.tokens, target.kv_len = list(source.tokens[: fields["rows"]]), fields["rows"]
+                value = {}
             elif kind == "generate":
                 return self._submit_generation(request)
             elif kind in ("save", "export"):

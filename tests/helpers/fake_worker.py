@@ -385,6 +385,11 @@ class FakeWorkerClient(FakeEngine, MultiplexedWorkerClient):
         _check_session_id(session_id)
         await self._call("reset", {"session_id": session_id})
 
+    async def fork_session(self, session_id: str, target_id: str, rows: int) -> None:
+        _check_session_id(session_id)
+        _check_session_id(target_id)
+        await self._call("fork", {"session_id": session_id, "target_id": target_id, "rows": rows})
+
     def generate(self, prompt: Any, params: Any) -> FakeStream:  # type: ignore[override]
         checked = check_params(params)
         session_id, fields = checked.session_id, dict(checked.fields)

@@ -124,6 +124,7 @@ EXAMPLES = [
     messages.OpenSession("s"),
     messages.CloseSession("s"),
     messages.ResetSession("s"),
+    messages.ForkSession("s", "t", 12),
     messages.CancelRequest(),
     messages.InfoRequest(),
     messages.TokenizeRequest("hi", add_special_tokens=True),

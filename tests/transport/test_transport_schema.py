@@ -122,6 +122,7 @@ def _examples() -> dict[str, tuple[dict, list]]:
         [],
     )
     ex["info"] = ({"kind": "info", "id": 8}, [])
+    ex["fork"] = ({"kind": "fork", "id": 11, "session_id": "chat-1", "target_id": "chat-2", "rows": 40}, [])
     ex["hello"] = (
         hello_control(
             model={"name": "tiny", "vocab_size": 100},
@@ -213,6 +214,7 @@ def test_message_kinds_are_the_documented_set():
         "open",
         "close",
         "reset",
+        "fork",
         "generate",
         "cancel",
         "tokenize",

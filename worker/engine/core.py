@@ -277,6 +277,37 @@ class Engine(EngineCheckpoints):
         s.forget()
         s.unsaveable = "empty"
 
+    def fork_session(self, sid: str, target: str, rows: int) -> None:
+        """Make ``target``'s history the first ``rows`` tokens of ``sid``'s, copying their rows
+        slot to slot (the seed's fork): ``target`` then continues from them as if it had computed
+        them. ``target`` must be open and idle (its own history is replaced); ``sid`` may be
+        generating (rows below its length do not change). ``rows`` may be at most what ``sid``
+        holds, and only where every ring layer still holds what continuing from there needs. The
+        draft model's rows are copied as far as they reach; the rest is pending for it."""
+        self._check_ready()
+        s = self._session(sid)
+        d = self._idle_session(target)
+        if d is s:
+            raise InvalidArgument(f"cannot fork session {sid!r} into itself")
+        if d.request is not None:
+            raise SessionBusy(f"session {target!r} is generating (request {d.request.rid})")
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= s.kv_len:
+            raise InvalidArgument(f"rows must be an integer in [0, {s.kv_len}] (the rows session {sid!r} holds)")
+        if rows < s.kv_len and not self.cache.can_truncate(s.kv_len, rows, s.kv_floor):
+            raise InvalidArgument(
+                f"session {sid!r} no longer holds the rows before {rows} (its sliding-window layers moved on)"
+            )
+        self.cache.copy_slot(s.slot, d.slot, rows)
+        d.forget()
+        d.tokens, d.kv_len, d.kv_floor = list(s.tokens[:rows]), rows, s.kv_floor if rows else 0
+        d.cache_salt, d.salt_known = s.cache_salt, s.salt_known
+        d.unsaveable = None if rows else "empty"
+        draft = self.draft
+        keep = min(rows, s.draft_len)
+        if draft is not None and keep and draft.cache.can_truncate(s.draft_len, keep, s.draft_floor):
+            draft.cache.copy_slot(s.slot, d.slot, keep)
+            d.draft_len, d.draft_floor = keep, s.draft_floor
+
     def session_ids(self) -> list[str]:
         return list(self._sessions)
 

@@ -190,14 +190,49 @@ def test_logprobs_in_openais_shapes_streamed_and_not(server):
     assert all(len(top) == 2 and max(top.values()) == p for top, p in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_n_choices_are_forks_of_one_prefill_streamed_with_their_index(server):
+    client = _client(server)
+    kw = {"model": server.model, "temperature": 1.0, "seed": 5, "max_tokens": 16, "n": 3}
+    ask = [{"role": "user", "content": "Write a line about the sea."}]
+    full = client.chat.completions.create(messages=ask, extra_body={"cache_salt": "n-1", "session_id": "n-sess"}, **kw)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    assert len(set(texts)) == 3  # each choice samples with its own seed
+    one = client.chat.completions.create(messages=ask, **{**kw, "n": 1})
+    assert full.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert full.usage.completion_tokens > one.usage.completion_tokens  # the choices' tokens summed
+    chunks = list(client.chat.completions.create(messages=ask, stream=True, extra_body={"cache_salt": "n-2"}, **kw))
+    streamed: dict[int, str] = {}
+    finished = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(3)] == texts and sorted(finished) == [0, 1, 2]
+    # The named session continues from choice 0: its next turn reuses the prompt and that reply.
+    follow = ask + [{"role": "assistant", "content": texts[0]}, {"role": "user", "content": "Another."}]
+    again = client.chat.completions.create(
+        model=server.model, messages=follow, max_tokens=4, temperature=0, extra_body={"session_id": "n-sess"}
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens + 1
+    # More choices than free session slots: 429, and nothing is left behind.
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(messages=ask, **{**kw, "n": 8})
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.chat.completions.create(messages=ask, **{**kw, "n": 9})
+    assert client.chat.completions.create(messages=ask, **kw).choices[2].message.content
+
+
 def test_bad_requests_get_openai_errors(server):
     client = _client(server)
     cases = [
         (dict(model="gpt-4", messages=QUESTION), "model_not_found"),
         (dict(model=server.model, messages=QUESTION, temperature=-1), "invalid_value"),
-        (dict(model=server.model, messages=QUESTION, n=2), "unsupported"),
+        (dict(model=server.model, messages=QUESTION, n=9), "invalid_value"),
         (dict(model=server.model, messages=[]), "invalid_value"),
-        (dict(model=server.model, messages=[{"role": "tool", "content": "x"}]), "unsupported"),
+        (dict(model=server.model, messages=[{"role": "tool", "content": "x"}]), "invalid_value"),  # no call id
+        (dict(model=server.model, messages=[{"role": "function", "content": "x"}]), "unsupported"),
         (dict(model=server.model, messages=QUESTION, extra_body={"session_id": "../../etc"}), "invalid_session_id"),
         (dict(model=server.model, messages=QUESTION, extra_body={"bogus": 1}), "unknown_field"),
         (dict(model=server.model, messages=[{"role": "user", "content": "hi " * 3000}]), "context_length_exceeded"),

@@ -28,6 +28,7 @@ from muxworker.client import (
 )
 from muxworker.serve import openai_api as oa
 from muxworker.serve.tenants import TenantQuotaExceeded
+from muxworker.serve.tools import ToolCall
 from muxworker.transport.checkpoint.errors import CheckpointMalformed, os_failure
 from muxworker.transport.errors import ERRORS
 
@@ -103,7 +104,8 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"presence_penalty": 3}, "invalid_value"),
         ({"max_tokens": 0}, "invalid_value"),
         ({"max_tokens": True}, "invalid_value"),
-        ({"n": 3}, "unsupported"),
+        ({"n": 0}, "invalid_value"),
+        ({"n": 9}, "invalid_value"),
         ({"logprobs": 1}, "invalid_value"),  # chat's is a boolean
         ({"logprobs": True, "top_logprobs": 21}, "invalid_value"),
         ({"top_logprobs": 2}, "invalid_value"),  # without logprobs
@@ -236,17 +238,29 @@ RESULT = GenerationResult("stop", 5, 3, 2, 4, [1, 2, 3, 4], 0.1, 0.2, committed_
 
 
 def test_responses_parse_as_the_sdk_types():
-    body = oa.chat_completion("chatcmpl-1", MODEL, "hello", RESULT, "s")
+    body = oa.completion_body(True, "chatcmpl-1", MODEL, [oa.Choice(0, "hello", RESULT)], "s", None)
     parsed = ChatCompletion.model_validate(body)
     assert parsed.choices[0].message.content == "hello" and parsed.usage.prompt_tokens_details.cached_tokens == 3
     assert parsed.usage.total_tokens == 9
-    completion = Completion.model_validate(oa.text_completion("cmpl-1", MODEL, "x", RESULT, None))
+    completion = Completion.model_validate(
+        oa.completion_body(False, "cmpl-1", MODEL, [oa.Choice(0, "x", RESULT)], None, None)
+    )
     assert completion.choices[0].text == "x" and completion.choices[0].finish_reason == "stop"
+    # Two choices, one a tool call: the prompt counted once, the completions summed.
+    call = ToolCall("call_1", "f", '{"a": 1}')
+    body = oa.completion_body(
+        True, "c", MODEL, [oa.Choice(0, "hi", RESULT), oa.Choice(1, "", RESULT, [call])], None, None, 2
+    )
+    parsed = ChatCompletion.model_validate(body)
+    assert [c.index for c in parsed.choices] == [0, 1] and parsed.choices[1].message.content is None
+    assert parsed.choices[1].finish_reason == "tool_calls" and parsed.choices[1].message.tool_calls[0].id == "call_1"
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (5, 8)
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 2
 
 
 def test_stream_chunks_parse_as_the_sdk_types():
     writer = oa.ChunkWriter("chatcmpl-1", MODEL, chat=True)
-    events = [writer.role(), writer.delta('a "quoted"\n\u00e9'), writer.finish(RESULT), writer.usage(RESULT)]
+    events = [writer.role(), writer.delta('a "quoted"\n\u00e9'), writer.finish(RESULT), writer.usage([RESULT])]
     chunks = []
     for event in events:
         assert event.startswith(b"data: ") and event.endswith(b"\n\n")
@@ -265,3 +279,10 @@ def test_stream_chunks_parse_as_the_sdk_types():
     }
     assert Completion.model_validate(json.loads(text.finish(RESULT)[6:])).choices[0].finish_reason == "stop"
     assert json.loads(oa.ChunkWriter.error(oa.bad_request("no"))[6:])["error"]["message"] == "no"
+    # Another choice's chunks carry its index; a tool call comes as its head, then its arguments.
+    other = ChatCompletionChunk.model_validate(json.loads(writer.delta("b", (), 2)[6:]))
+    assert other.choices[0].index == 2 and other.choices[0].delta.content == "b"
+    head, args = writer.tool_calls([ToolCall("call_9", "f", '{"x": 1}')], 1).split(b"\n\n")[:2]
+    head_chunk = ChatCompletionChunk.model_validate(json.loads(head[6:]))
+    assert head_chunk.choices[0].index == 1 and head_chunk.choices[0].delta.tool_calls[0].function.name == "f"
+    assert json.loads(args[6:])["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'

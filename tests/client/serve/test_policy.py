@@ -14,6 +14,7 @@ from muxworker.serve.app import AppConfig, create_app
 from muxworker.serve.metrics import ServerMetrics
 from muxworker.serve.policy import HttpPolicy, startup_problem
 from muxworker.serve.service import ServiceConfig
+from muxworker.serve.tools import GENERIC, ToolFormat
 
 LOCAL = ("127.0.0.1", 8000)
 
@@ -108,6 +109,9 @@ class _Stream:
     def cancel(self) -> None:
         pass
 
+    def logprobs_from(self, start: int) -> list:
+        return []
+
 
 class _Service:
     """The service's surface the generation endpoints use, with no worker: every generation
@@ -128,8 +132,11 @@ class _Service:
     def record(self, sid: str) -> None:
         return None
 
-    async def render_chat(self, messages: list) -> list[int]:
+    async def render_chat(self, messages: list, tools: object = None) -> list[int]:
         return [1, 2, 3]
+
+    def tool_format(self) -> ToolFormat:
+        return GENERIC
 
     async def open_ephemeral(self, tenant: object) -> tuple[str, None]:
         return "local/~x", None
