@@ -158,7 +158,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=128, help="per validity sample")
+    p.add_argument("--max-tokens", type=int, default=256, help="per validity sample")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     args = p.parse_args()

@@ -232,6 +232,13 @@ class _GenerationEndpoint:
                 fmt = self.service.tool_format()
                 prompt: str | list[int] = await self.service.render_chat(parsed.messages, parsed.tools)
                 if parsed.tools is not None:
+                    if parsed.tools.content_schema is not None and not fmt.accepts_content_schema:
+                        raise oa.bad_request(
+                            f"response_format together with tools is served for the generic tool format only; "
+                            f"this model's is {fmt.name}",
+                            param="response_format",
+                            code="unsupported",
+                        )
                     parser = fmt.parser(parsed.tools)
                     constraint = fmt.constraint(parsed.tools)
                     if constraint is not None:

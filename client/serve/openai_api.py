@@ -9,6 +9,7 @@ here with :meth:`SamplingFields.validate` so a bad value is a 400 naming the fie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -419,12 +420,13 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
             param="messages",
         )
     tools = _tool_request(body)
-    if tools is not None and tools.callable and common.params.fields.get("constraint") is not None:
-        raise bad_request(
-            "response_format cannot be combined with tools the model may call (tool_choice none allows it)",
-            param="response_format",
-            code="unsupported",
-        )
+    content = common.params.fields.get("constraint")
+    if tools is not None and content is not None:
+        # Both: a reply is calls, or content that response_format holds (the tool format's grammar).
+        schema = content.get("json_schema", {"type": "object"})
+        tools = dataclasses.replace(tools, content_schema=schema)
+        fields = {k: v for k, v in common.params.fields.items() if k != "constraint"}
+        common.params = CheckedParams(common.params.session_id, fields)
     messages: list[dict[str, Any]] = []
     called: dict[str, str] = {}  # tool call id -> the function it named
     for i, m in enumerate(raw):

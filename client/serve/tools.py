@@ -66,6 +66,9 @@ class ToolRequest:
     choice: str = "auto"  # "none", "auto", "required", or "function" (the one named ``function``)
     function: str | None = None
     parallel: bool = True
+    # response_format's JSON Schema for a reply that is not a call (None: free text); the generic
+    # format only (GenericFormat.accepts_content_schema)
+    content_schema: dict[str, Any] | None = None
 
     @property
     def callable(self) -> tuple[Tool, ...]:
@@ -144,6 +147,7 @@ class ToolFormat:
 
     name = "generic"
     args_key = "arguments"
+    accepts_content_schema = False  # whether a reply's content may be held to response_format
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -169,6 +173,7 @@ class GenericFormat(ToolFormat):
     """For templates that know nothing of tools: one JSON object per reply (module docstring)."""
 
     name = "generic"
+    accepts_content_schema = True
 
     def _active(self, request: ToolRequest | None) -> bool:
         # With tools given, every reply is the JSON object, tool_choice none included (then only
@@ -187,9 +192,10 @@ class GenericFormat(ToolFormat):
                 )
                 out.append({"role": "assistant", "content": f'{{"tool_calls": [{calls}]}}'})
             elif role == "assistant" and active:
-                out.append(
-                    {"role": "assistant", "content": f'{{"response": {json.dumps(content, ensure_ascii=False)}}}'}
-                )
+                value = json.dumps(content, ensure_ascii=False)
+                if request is not None and request.content_schema is not None and _is_json(content):
+                    value = content  # a structured reply: the JSON text as the model wrote it
+                out.append({"role": "assistant", "content": f'{{"response": {value}}}'})
             elif role == "tool":
                 result = {"tool_response": {"name": m.get("name") or "", "content": content}}
                 out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
@@ -222,7 +228,7 @@ class GenericFormat(ToolFormat):
     def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
         response = {
             "type": "object",
-            "properties": {"response": {"type": "string"}},
+            "properties": {"response": request.content_schema or {"type": "string"}},
             "required": ["response"],
             "additionalProperties": False,
         }
@@ -244,7 +250,10 @@ class GenericFormat(ToolFormat):
         return {"json_schema": schema}
 
     def parser(self, request: ToolRequest | None) -> OutputParser:
-        return _JsonReplyParser() if self._active(request) else OutputParser()
+        if not self._active(request):
+            return OutputParser()
+        assert request is not None
+        return _JsonReplyParser(raw=request.content_schema is not None)
 
 
 @dataclass(frozen=True)
@@ -424,22 +433,27 @@ def _read_calls(text: str, fmt: _Native) -> list[ToolCall] | None:
 class _JsonReplyParser(OutputParser):
     """The generic format's one JSON object: ``response`` streamed as content, ``tool_calls`` at the end."""
 
-    _PREFIX = '{"response": "'
+    _PREFIX = '{"response": '
 
-    def __init__(self) -> None:
+    def __init__(self, raw: bool = False) -> None:
+        self.raw = raw  # the response is a JSON value (response_format), given out as its text
         self._text = ""
-        self._given = 0  # characters of the response string given out
-        self._string_end: int | None = None  # where the response string ends, once seen
+        self._given = 0  # characters of the response given out
+
+    def fresh(self) -> OutputParser:
+        return _JsonReplyParser(self.raw)
 
     def feed(self, text: str) -> str:
         self._text += text
-        if not self._text.startswith(self._PREFIX[: len(self._text)]) or len(self._text) < len(self._PREFIX):
+        prefix = self._PREFIX if self.raw else self._PREFIX + '"'
+        if not self._text.startswith(prefix[: len(self._text)]) or len(self._text) < len(prefix):
             return ""
-        decoded, closed = _json_string_prefix(self._text[len(self._PREFIX) :])
+        if self.raw:  # everything but the wrapper's closing brace, which ends the output
+            decoded = self._text[len(prefix) : -1]
+        else:
+            decoded, _ = _json_string_prefix(self._text[len(prefix) :])
         out = decoded[self._given :]
         self._given = len(decoded)
-        if closed:
-            self._string_end = len(decoded)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -448,12 +462,23 @@ class _JsonReplyParser(OutputParser):
         except ValueError:
             # Cut by max_tokens: the response given so far is the content; a call is dropped.
             return "", []
-        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
-            return obj["response"][self._given :], []
+        if isinstance(obj, dict) and "response" in obj:
+            if self.raw:
+                return self._text[len(self._PREFIX) : -1][self._given :], []
+            if isinstance(obj["response"], str):
+                return obj["response"][self._given :], []
         calls = []
         for c in obj.get("tool_calls", []) if isinstance(obj, dict) else []:
             calls.append(ToolCall(ToolCall.new_id(), c["name"], _arguments(c.get("arguments", {}))))
         return "", calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _json_string_prefix(body: str) -> tuple[str, bool]:

@@ -207,3 +207,41 @@ def test_langchain_bind_tools_and_structured_output(server):
     city = llm.with_structured_output(City, method="json_schema", strict=True).invoke("Describe Paris.")
     assert isinstance(city, City)
     jsonschema.validate(city.model_dump(), City.model_json_schema())
+
+
+def test_an_agents_sdk_agent_with_an_output_type_answers_in_it(server):
+    """output_type and tools together (response_format beside tools): a call, then the answer as
+    the agent's structured output."""
+    agents = pytest.importorskip("agents")
+    from pydantic import BaseModel, Field
+
+    agents.set_tracing_disabled(True)
+
+    class Report(BaseModel):
+        city: str = Field(max_length=30)
+        degrees: int
+
+    called: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        called.append(city)
+        return f"It is 18 degrees in {city}."
+
+    class AnswerAfterOne(agents.RunHooks):
+        async def on_tool_end(self, context, agent, tool, result):
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    agent = agents.Agent(
+        name="reporter",
+        instructions="You report the weather.",
+        tools=[get_weather],
+        output_type=Report,
+        model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+        model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
+        reset_tool_choice=False,
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Oslo?", max_turns=4, hooks=AnswerAfterOne())
+    assert len(called) == 1 and isinstance(result.final_output, Report)

@@ -120,10 +120,6 @@ def test_content_parts_developer_role_and_null_assistant_content():
             },
             "invalid_value",
         ),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
-            "unsupported",
-        ),
         ({"response_format": {"type": "yaml"}}, "invalid_value"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "invalid_value"),  # no name
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}}, "invalid_value"),
@@ -235,6 +231,17 @@ def test_the_servers_own_limits_stay_its_own():
 
 
 RESULT = GenerationResult("stop", 5, 3, 2, 4, [1, 2, 3, 4], 0.1, 0.2, committed_tokens=4)
+
+
+def test_response_format_with_tools_holds_the_content_not_the_calls():
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    }
+    parsed = oa.parse_chat_request(body, MODEL)
+    assert parsed.tools is not None and parsed.tools.content_schema == {"type": "object"}
+    assert "constraint" not in parsed.params.fields  # the tool format's grammar takes it in
 
 
 def test_responses_parse_as_the_sdk_types():

@@ -240,3 +240,33 @@ def test_generic_messages_put_calls_and_results_in_the_reply_shape():
     forced = GENERIC.messages([{"role": "user", "content": "x"}], ToolRequest((WEATHER,), "required"))
     auto = GENERIC.messages([{"role": "user", "content": "x"}], request)
     assert forced == auto
+
+
+def test_a_structured_reply_beside_tools_is_held_to_response_format(engines):
+    """response_format with tools (the generic format): a reply is calls, or content that the
+    response schema holds, given out as its JSON text and rendered back verbatim."""
+    from muxworker.worker.engine.constraints import GrammarCompiler
+
+    engine = engines["generic"]
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    request = ToolRequest((WEATHER,), "none", content_schema=schema)
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+
+    def accepts(text: str) -> bool:
+        g = compiler.compile(GENERIC.constraint(request))
+        return g.matcher.consume_tokens(engine.tokenizer.encode(text)) and g.matcher.is_accepting()
+
+    assert accepts('{"response": {"ok": true}}') and not accepts('{"response": "text"}')
+    parser = GENERIC.parser(request)
+    streamed = parser.feed('{"response": {"o') + parser.feed('k": true}}')
+    rest, calls = parser.finish()
+    assert streamed + rest == '{"ok": true}' and calls == []
+    out = GENERIC.messages(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": '{"ok": true}'}], request
+    )
+    assert out[-1]["content"] == '{"response": {"ok": true}}'
