@@ -49,12 +49,7 @@ from muxworker.transport.errors import (
 )
 from muxworker.transport.prompt import SpecialText
 
-from .client import (
-    GenerationStream,
-    MultiplexedWorkerClient,
-    default_worker_command,
-    spawn_multiplexed_worker,
-)
+from .client import MultiplexedWorkerClient, default_worker_command, spawn_multiplexed_worker
 from .params import ChatPrompt, GenerationParams, GenerationResult, ModelInfo, TokenLogprob, WorkerInfo
 from .runtime import EvictionFailed, RuntimeGenerationResult, RuntimeStream, SessionRuntime
 from .sessions import SaveResult
@@ -70,6 +65,7 @@ from .stores import (
     StoreUnavailable,
     open_store,
 )
+from .stream import GenerationStream
 
 __all__ = [
     # client

@@ -17,8 +17,8 @@ import trio
 
 from muxworker.transport.errors import MuxError, SlowConsumer, WorkerDiedError
 
-from .client import GenerationStream
 from .params import GenerationResult, RuntimeGenerationResult, TokenLogprob
+from .stream import GenerationStream
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime

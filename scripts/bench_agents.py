@@ -10,6 +10,7 @@ id, so the reuse is the prefix cache's (``--prefix_cache_entries``), tool result
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import time
@@ -44,20 +45,23 @@ def main() -> int:
 
     server_args = ["--max_sessions", "4", "--max_session_tokens", "4096"]
     server_args += ["--prefix_cache_entries", str(args.prefix_cache_entries)]
+
+    async def run(server: ServerProcess) -> agents.RunResult:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+            agent = agents.Agent(
+                name="weather",
+                instructions="You answer questions about the weather.",
+                tools=[get_weather],
+                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+                model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
+                reset_tool_choice=False,
+            )
+            question = "What is the weather in Paris?"
+            return await agents.Runner.run(agent, question, max_turns=args.turns + 2, hooks=AnswerAfter())
+
     with ServerProcess(server_args) as server:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        agent = agents.Agent(
-            name="weather",
-            instructions="You answer questions about the weather.",
-            tools=[get_weather],
-            model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
-            model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
-            reset_tool_choice=False,
-        )
         t0 = time.perf_counter()
-        result = agents.Runner.run_sync(
-            agent, "What is the weather in Paris?", max_turns=args.turns + 2, hooks=AnswerAfter()
-        )
+        result = asyncio.run(run(server))
         seconds = time.perf_counter() - t0
     print(f"{len(called)} tool calls, final answer {result.final_output!r:.80} ({seconds:.1f} s)")
     print("| call | prompt | reply | cached | previous prompt + reply | cached / previous |")

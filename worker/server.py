@@ -5,7 +5,7 @@ Threads, and who owns what:
 - The **main thread** runs the engine loop. It is the only thread that calls the engine, and it
   writes every reply.
 - The **reader thread** reads frames from the control pipe, checks each against the schema and puts
-  it on the inbox. It never touches the engine. The inbox is bounded (:class:`_Inbox`): when the
+  it on the inbox. It never touches the engine. The inbox is bounded (:class:`Inbox`): when the
   engine falls behind, the reader stops reading, the control pipe fills and the client's writes
   wait, so a client that sends without reading replies cannot grow the worker's memory.
 - The **heartbeat thread** (only with ``--heartbeat_ms N``, which protocol 1.1 clients pass) writes a
@@ -17,7 +17,7 @@ Threads, and who owns what:
 - The **I/O thread** writes and fsyncs checkpoint files (``save_file``) and reads them
   (``restore_file``), so no other session's tokens wait for a disk. The engine thread plans each job
   (engine/checkpoint_files.py: the session is busy, or a slot reserved, meanwhile), the I/O thread
-  runs it and puts an :class:`_IoDone` on the inbox, and the engine thread finishes it and replies.
+  runs it and puts an :class:`IoDone` on the inbox, and the engine thread finishes it and replies.
 
 The engine loop drains the inbox between steps, so a cancel or an open that arrives during a step is
 handled right after that step; it steps while there is work and blocks on the inbox when idle.
@@ -48,7 +48,6 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +61,7 @@ from muxworker.transport.errors import (
 )
 from muxworker.transport.fdio import FdFrameReader, FdFrameWriter
 from muxworker.transport.fdpass import FileReceiver
-from muxworker.transport.framing import Frame, MiB, attach_payload, payload_array
+from muxworker.transport.framing import Frame, attach_payload, payload_array
 from muxworker.transport.messages import (
     REQUESTS,
     CancelRequest,
@@ -81,6 +80,7 @@ from muxworker.transport.messages import (
 from muxworker.transport.prompt import SpecialText
 from muxworker.transport.sampling import check_constraint
 from muxworker.transport.schema import error_control, validate
+from muxworker.worker.inbox import Guided, Inbox, IoDone, Item, Rejected, Stop
 
 if TYPE_CHECKING:
     from muxworker.worker.engine import Engine, EngineOutput
@@ -102,110 +102,17 @@ EXIT_PROTOCOL = 3  # the control stream broke: bad framing, or a message that ca
 EXIT_INTERNAL = 4  # a bug: the engine loop raised
 
 _STEP_WINDOW = 1024  # recent step durations kept for ``info``'s percentiles
-# The inbox bound: the reader thread reads no further frame while this many frames, or frames
-# holding this many payload bytes, wait for the engine thread. Memory held by the inbox is at most
-# _INBOX_BYTES plus one frame (which its kind's frame limit bounds).
-_INBOX_FRAMES = 256
-_INBOX_BYTES = 8 * MiB
 # While the engine steps, the I/O thread works on a checkpoint file in bursts of about
 # _IO_BURST_S and pauses _IO_PAUSE_S after each (see _pace).
 _IO_BURST_S = 0.0002
 _IO_PAUSE_S = 0.0015
 
 
+_EOF = Stop(EXIT_OK)
+
+
 def _log(message: str) -> None:
     print(f"muxworker.worker: {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Inbox items other than frames
-
-
-@dataclass(frozen=True)
-class _Rejected:
-    """A message that failed the schema but names a request id we can answer."""
-
-    request_id: int
-    error: MuxError
-
-
-@dataclass(frozen=True)
-class _Stop:
-    """Leave the engine loop: settle everything, then exit with ``code``."""
-
-    code: int
-    reason: str | None = None  # logged to stderr (and sent as an error frame when code != 0)
-
-
-@dataclass(frozen=True)
-class _IoDone:
-    """A checkpoint file job has ended on the I/O thread: the engine thread closes ``fds`` and
-    replies with what ``finish(future)`` returns (or raises)."""
-
-    request_id: int
-    kind: str
-    fds: list[int]
-    future: Future[Any]
-    finish: Callable[[Future[Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class _Guided:
-    """A ``generate`` frame whose constraint the reader thread compiled (worker/engine/constraints.py)."""
-
-    frame: Frame
-    guide: Guide
-
-
-_EOF = _Stop(EXIT_OK)
-_Item = Frame | _Guided | _Rejected | _Stop | _IoDone
-
-
-class _Inbox:
-    """The engine thread's queue: frames from the reader thread (bounded), stops from anywhere,
-    ended jobs from the I/O thread.
-
-    The reader thread calls :meth:`wait_for_room` before it reads each frame, so at most
-    ``max_frames`` frames or ``max_bytes`` payload bytes wait here (plus the frame read last); the
-    rest stays in the control pipe, whose writer then blocks. Stops and ended jobs are never
-    bounded: a signal handler, the reader's last word or the I/O thread must always get through, and
-    ``SimpleQueue.put`` is safe in a signal handler (it takes no lock that the interrupted engine
-    thread could hold).
-    """
-
-    def __init__(self, max_frames: int = _INBOX_FRAMES, max_bytes: int = _INBOX_BYTES) -> None:
-        self._queue: queue.SimpleQueue[tuple[_Item, int]] = queue.SimpleQueue()
-        self._max_frames, self._max_bytes = max_frames, max_bytes
-        self._room = threading.Condition()
-        self._frames = 0  # frames (and rejections) queued; guarded by _room
-        self._bytes = 0  # their payload bytes; guarded by _room
-
-    def wait_for_room(self) -> None:
-        """Reader thread: block while the inbox is full."""
-        with self._room:
-            while self._frames >= self._max_frames or self._bytes >= self._max_bytes:
-                self._room.wait()
-
-    def put_frame(self, item: Frame | _Guided | _Rejected) -> None:
-        frame = item.frame if isinstance(item, _Guided) else item
-        nbytes = sum(memoryview(p).nbytes for p in frame.payloads) if isinstance(frame, Frame) else 0
-        with self._room:
-            self._frames += 1
-            self._bytes += nbytes
-        self._queue.put((item, nbytes))
-
-    def put_event(self, item: _Stop | _IoDone) -> None:
-        self._queue.put((item, -1))
-
-    def get(self, block: bool = True) -> _Item:
-        """Engine thread: the next item (raises queue.Empty when ``block`` is false and none waits)."""
-        item, nbytes = self._queue.get(block)
-        if nbytes >= 0:
-            with self._room:
-                self._frames -= 1
-                self._bytes -= nbytes
-                self._room.notify()
-        return item
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,7 +146,7 @@ class WorkerServer:
         # Set by the engine thread: False only while it waits on an empty inbox with nothing to do.
         # Read by the heartbeat thread (a plain bool: a stale read delays one heartbeat at most).
         self._busy = True
-        self._inbox = _Inbox()
+        self._inbox = Inbox()
         # Replies that must follow the outputs of the next step: a close or reset settles the
         # session's request, and its done should reach the client before the ok.
         self._deferred: list[Frame] = []
@@ -247,7 +154,7 @@ class WorkerServer:
         # Checkpoint file jobs run here (see the module docstring). One thread: a client sends one
         # checkpoint operation at a time (its CheckpointQueue), so a second would only sit idle.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="muxworker-io")
-        self._io_pending = 0  # jobs submitted whose _IoDone the engine thread has not handled yet
+        self._io_pending = 0  # jobs submitted whose IoDone the engine thread has not handled yet
         # Set by the engine thread around each step, read by the I/O thread (_pace); a stale read
         # costs one pause, or one slice written during a step.
         self._stepping = False
@@ -291,7 +198,7 @@ class WorkerServer:
 
             _log("the engine loop failed:\n" + traceback.format_exc())
             self._engine.readiness = Readiness.FAILED
-            stop = _Stop(EXIT_INTERNAL, "the engine loop failed (traceback above)")
+            stop = Stop(EXIT_INTERNAL, "the engine loop failed (traceback above)")
         try:
             self._settle(stop)
         finally:
@@ -299,11 +206,11 @@ class WorkerServer:
                 signal.signal(sig, handler)
         return stop.code
 
-    def _run(self) -> _Stop:
+    def _run(self) -> Stop:
         engine = self._engine
         while True:
             # Block only when idle; otherwise take what has arrived and step again.
-            item: _Item | None = None
+            item: Item | None = None
             if not engine.has_work():
                 self._busy = self._io_pending > 0  # the client waits for those replies meanwhile
                 item = self._inbox.get()
@@ -319,7 +226,7 @@ class WorkerServer:
                     break
             self._send_outputs(self._step() if engine.has_work() else [])
             if self._reply_broken is not None:
-                return _Stop(EXIT_OK, f"the client closed the reply pipe ({self._reply_broken})")
+                return Stop(EXIT_OK, f"the client closed the reply pipe ({self._reply_broken})")
 
     def _step(self) -> list[EngineOutput]:
         t0 = time.perf_counter()
@@ -334,7 +241,7 @@ class WorkerServer:
         self._recent_steps.append(dt)
         return outputs
 
-    def _settle(self, stop: _Stop) -> None:
+    def _settle(self, stop: Stop) -> None:
         """Settle what can be settled and send it (best effort: the client may be gone).
 
         A clean stop settles every accepted request (their results are sent). After a failure the
@@ -365,11 +272,11 @@ class WorkerServer:
         each. Frames that arrive meanwhile are dropped, as every frame after a stop is."""
         while self._io_pending:
             item = self._inbox.get()
-            if isinstance(item, _IoDone):
+            if isinstance(item, IoDone):
                 self._handle(item)
         self._io.shutdown()
 
-    def _refuse_queued(self, stop: _Stop) -> None:
+    def _refuse_queued(self, stop: Stop) -> None:
         """After a failure: answer what is still queued (the engine never saw it) with not_ready,
         except generations, which fail with the worker like every other stream, and info, which
         reports the readiness."""
@@ -379,7 +286,7 @@ class WorkerServer:
                 item = self._inbox.get(block=False)
             except queue.Empty:
                 return
-            if isinstance(item, _Rejected):
+            if isinstance(item, Rejected):
                 self._write(Frame(error_control(item.request_id, item.error)))
             elif isinstance(item, Frame) and item.control["kind"] not in ("generate", "cancel"):
                 if item.control["kind"] == "info":
@@ -388,7 +295,7 @@ class WorkerServer:
                     self._write(Frame(error_control(item.control["id"], why)))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self._inbox.put_event(_Stop(EXIT_OK, f"received {signal.Signals(signum).name}; shutting down"))
+        self._inbox.put_event(Stop(EXIT_OK, f"received {signal.Signals(signum).name}; shutting down"))
 
     # -- heartbeat thread -----------------------------------------------------------------
 
@@ -416,7 +323,7 @@ class WorkerServer:
     # -- reader thread --------------------------------------------------------------------
 
     def _read_frames(self) -> None:
-        """Reader thread: frames (checked against the schema) onto the inbox, then a _Stop."""
+        """Reader thread: frames (checked against the schema) onto the inbox, then a Stop."""
         inbox = self._inbox
         try:
             while True:
@@ -425,23 +332,23 @@ class WorkerServer:
                 if frame is None:
                     break
                 if frame.refused is not None:  # screened from its header (see _prompt_screen)
-                    inbox.put_frame(_Rejected(frame.control["id"], frame.refused))  # type: ignore[arg-type]
+                    inbox.put_frame(Rejected(frame.control["id"], frame.refused))  # type: ignore[arg-type]
                     continue
                 try:
                     validate(frame.control, sender="client", payloads=frame.payloads)
                     item = self._compiled(frame)
                 except InvalidArgument as exc:
-                    inbox.put_frame(_Rejected(frame.control["id"], exc))
+                    inbox.put_frame(Rejected(frame.control["id"], exc))
                     continue
                 inbox.put_frame(item)
         except ProtocolError as exc:
-            inbox.put_event(_Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
+            inbox.put_event(Stop(EXIT_PROTOCOL, f"the control stream is broken: {exc}"))
         except Exception as exc:
-            inbox.put_event(_Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
+            inbox.put_event(Stop(EXIT_PROTOCOL, f"reading the control pipe failed: {type(exc).__name__}: {exc}"))
         else:
             inbox.put_event(_EOF)
 
-    def _compiled(self, frame: Frame) -> Frame | _Guided:
+    def _compiled(self, frame: Frame) -> Frame | Guided:
         """Reader thread: a generate frame with a constraint, compiled here, off the engine thread
         (bounded in size and work, constraints.py), so a large schema never delays a step; the
         engine's grammar compiler is the one engine attribute this thread uses (it is thread-safe)."""
@@ -449,21 +356,21 @@ class WorkerServer:
         if constraint is None:
             return frame
         check_constraint(constraint)
-        return _Guided(frame, self._engine.grammars.compile(constraint))
+        return Guided(frame, self._engine.grammars.compile(constraint))
 
     # -- messages -------------------------------------------------------------------------
 
-    def _handle(self, item: _Item) -> _Stop | None:
-        if isinstance(item, _Stop):
+    def _handle(self, item: Item) -> Stop | None:
+        if isinstance(item, Stop):
             return item
-        if isinstance(item, _Rejected):
+        if isinstance(item, Rejected):
             self._write(Frame(error_control(item.request_id, item.error)))
             return None
-        if isinstance(item, _IoDone):
+        if isinstance(item, IoDone):
             self._io_pending -= 1
             rid, kind = item.request_id, item.kind
             call = functools.partial(self._io_done, item)
-        elif isinstance(item, _Guided):
+        elif isinstance(item, Guided):
             rid, kind = item.frame.control["id"], "generate"
             call = functools.partial(self._generate, rid, item.frame.control, item.frame, item.guide)
         else:
@@ -498,7 +405,7 @@ class WorkerServer:
         replies with what ``finish(future)`` returns (:meth:`_io_done`)."""
         future = self._io.submit(work)
         self._io_pending += 1
-        future.add_done_callback(lambda f: self._inbox.put_event(_IoDone(rid, kind, fds, f, finish)))
+        future.add_done_callback(lambda f: self._inbox.put_event(IoDone(rid, kind, fds, f, finish)))
 
     def _pace(self) -> None:
         """I/O thread, after each slice of a checkpoint file it checksums, writes or reads: while the
@@ -513,7 +420,7 @@ class WorkerServer:
             time.sleep(_IO_PAUSE_S)
             self._io_burst = time.perf_counter()
 
-    def _io_done(self, item: _IoDone) -> None:
+    def _io_done(self, item: IoDone) -> None:
         for fd in item.fds:
             os.close(fd)
         self._write(self._ok(item.request_id, item.finish(item.future)))

@@ -37,6 +37,7 @@ from muxworker.transport.checkpoint import CheckpointNotFound
 from muxworker.transport.errors import MuxError
 
 from . import openai_api as oa
+from . import responses as rs
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .policy import HttpPolicy
 from .service import ModelService, SavePolicy, session_object
@@ -357,8 +358,8 @@ class _GenerationEndpoint:
         rest = (result.logprobs or ())[choice.sent :]  # tokens no text chunk carried (a stop token)
         await out.send(out.writer.finish(result, session, rest, calls, choice.index))
 
-    def _logprobs(self, parsed: Any) -> oa.Logprobs | None:
-        return oa.Logprobs(self.service.token_bytes, self.chat) if parsed.logprobs is not None else None
+    def _logprobs(self, parsed: Any) -> rs.Logprobs | None:
+        return rs.Logprobs(self.service.token_bytes, self.chat) if parsed.logprobs is not None else None
 
     async def _watch_disconnect(self, receive: Receive, streams: list[RuntimeStream]) -> None:
         while True:
@@ -375,7 +376,7 @@ class _GenerationEndpoint:
         self.metrics.cached_tokens.inc(stream_result.reused_prompt_tokens)
         self.metrics.completion_tokens.inc(stream_result.completion_tokens)
 
-    async def _collect(self, choice: _Choice, t0: float | None = None) -> oa.Choice:
+    async def _collect(self, choice: _Choice, t0: float | None = None) -> rs.Choice:
         """Read one choice to its end (``t0``: observe its time to first token)."""
         assert choice.stream is not None
         parts: list[str] = []
@@ -387,12 +388,12 @@ class _GenerationEndpoint:
         result = await choice.stream.wait()
         rest, calls = choice.parser.finish()
         parts.append(rest)
-        return oa.Choice(choice.index, "".join(parts), result, calls)
+        return rs.Choice(choice.index, "".join(parts), result, calls)
 
     async def _complete(self, scope: Scope, receive: Receive, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
         first = _Choice(0, turn.sid, turn.runtime, turn.stream, turn.parser)
         everyone = [first, *turn.extras]
-        done: dict[int, oa.Choice] = {}
+        done: dict[int, rs.Choice] = {}
 
         async def collect(choice: _Choice) -> None:
             done[choice.index] = await self._collect(choice, t0 if choice is first else None)
@@ -414,8 +415,8 @@ class _GenerationEndpoint:
         lp = self._logprobs(parsed)
         for c in choices:
             c.logprobs = lp
-        rid = oa.new_id("chatcmpl" if self.chat else "cmpl")
-        body = oa.completion_body(self.chat, rid, parsed.model, choices, turn.public_sid, session, turn.cached)
+        rid = rs.new_id("chatcmpl" if self.chat else "cmpl")
+        body = rs.completion_body(self.chat, rid, parsed.model, choices, turn.public_sid, session, turn.cached)
         await _json(body, 200, turn.headers())(scope, receive, send)
         return 200
 
@@ -435,8 +436,8 @@ class _GenerationEndpoint:
         now = time.perf_counter()
         if first is not None:
             self.metrics.ttft.observe(now - t0)
-        writer = oa.ChunkWriter(
-            oa.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat, self._logprobs(parsed)
+        writer = rs.ChunkWriter(
+            rs.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat, self._logprobs(parsed)
         )
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
@@ -476,7 +477,7 @@ class _GenerationEndpoint:
             # Headers are gone: the error travels as an event, as OpenAI's API does mid-stream.
             error = _first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
             await _body(send, writer.error(oa.error_from_mux(error)))
-            await _body(send, oa.DONE, more=False)
+            await _body(send, rs.DONE, more=False)
             return 200
         ordered = [results[i] for i in range(1 + len(turn.extras))]
         for result in ordered:
@@ -486,7 +487,7 @@ class _GenerationEndpoint:
         await self._end_choice(out, main, ordered[0], await turn.settle(ordered[0]))
         if parsed.include_usage:
             await _body(send, writer.usage(ordered, turn.cached))
-        await _body(send, oa.DONE, more=False)
+        await _body(send, rs.DONE, more=False)
         return 200
 
 
@@ -505,7 +506,7 @@ class _Choice:
 class _Out:
     """The response's body chunks, one writer at a time (choices stream from their own tasks)."""
 
-    def __init__(self, send: Send, writer: oa.ChunkWriter) -> None:
+    def __init__(self, send: Send, writer: rs.ChunkWriter) -> None:
         self.writer = writer
         self._send = send
         self._lock = trio.Lock()

@@ -9,10 +9,11 @@ and nothing here fetches anything at run time."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import openai
@@ -123,24 +124,24 @@ def test_a_tool_conversation_is_a_session_reused_whole_after_a_restart(tmp_path)
     kw = {"tools": TOOLS, "temperature": 0, "max_tokens": 96, "extra_body": {"session_id": "agent-1"}}
     messages = list(ASK)
     previous = 0
-    for turn in range(3):
-        with ServerProcess(["--store", str(store), *ARGS], log_path=tmp_path / f"serve{turn}.log") as s:
+    for server_turns in ((0, 1), (2,)):  # the third turn on a new server: the session comes from the store
+        with ServerProcess(["--store", str(store), *ARGS], log_path=tmp_path / f"serve{server_turns[0]}.log") as s:
             client = _client(s)
-            choice = "required" if turn < 2 else "none"
-            reply = client.chat.completions.create(model=s.model, messages=messages, tool_choice=choice, **kw)
-            usage = reply.usage
-            if turn:
-                assert usage.prompt_tokens_details.cached_tokens >= 0.9 * previous, (turn, usage, previous)
-            previous = usage.prompt_tokens + usage.completion_tokens
-            message = reply.choices[0].message
-            if turn == 2:
-                assert message.content and not message.tool_calls
-                break
-            _validated(message.tool_calls)
-            messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"})
-        # Each turn runs on a new server: the session comes back from the store.
+            for turn in server_turns:
+                choice = "required" if turn < 2 else "none"
+                reply = client.chat.completions.create(model=s.model, messages=messages, tool_choice=choice, **kw)
+                usage = reply.usage
+                if turn:
+                    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * previous, (turn, usage, previous)
+                previous = usage.prompt_tokens + usage.completion_tokens
+                message = reply.choices[0].message
+                if turn == 2:
+                    assert message.content and not message.tool_calls
+                    break
+                _validated(message.tool_calls)
+                messages.append(message.model_dump(exclude_none=True))
+                for call in message.tool_calls:
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"})
 
 
 def test_an_agents_sdk_agent_calls_its_function_and_answers(server):
@@ -162,17 +163,19 @@ def test_an_agents_sdk_agent_calls_its_function_and_answers(server):
             if len(called) >= 5:
                 agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
 
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    model = agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client)
-    agent = agents.Agent(
-        name="weather",
-        instructions="You answer questions about the weather.",
-        tools=[get_weather],
-        model=model,
-        model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
-        reset_tool_choice=False,
-    )
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=8, hooks=AnswerAfter())
+    async def run() -> Any:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+            agent = agents.Agent(
+                name="weather",
+                instructions="You answer questions about the weather.",
+                tools=[get_weather],
+                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+                model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
+                reset_tool_choice=False,
+            )
+            return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=8, hooks=AnswerAfter())
+
+    result = asyncio.run(run())
     assert len(called) == 5 and all(unit in ("celsius", "fahrenheit") for _, unit in called)
     assert isinstance(result.final_output, str) and result.final_output.strip()
     # The stateless requests reuse the previous turn through the prefix cache: from turn 2 on, at
@@ -233,15 +236,18 @@ def test_an_agents_sdk_agent_with_an_output_type_answers_in_it(server):
         async def on_tool_end(self, context, agent, tool, result):
             agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
 
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    agent = agents.Agent(
-        name="reporter",
-        instructions="You report the weather.",
-        tools=[get_weather],
-        output_type=Report,
-        model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
-        model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
-        reset_tool_choice=False,
-    )
-    result = agents.Runner.run_sync(agent, "What is the weather in Oslo?", max_turns=4, hooks=AnswerAfterOne())
+    async def run() -> Any:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+            agent = agents.Agent(
+                name="reporter",
+                instructions="You report the weather.",
+                tools=[get_weather],
+                output_type=Report,
+                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+                model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
+                reset_tool_choice=False,
+            )
+            return await agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=4, hooks=AnswerAfterOne())
+
+    result = asyncio.run(run())
     assert len(called) == 1 and isinstance(result.final_output, Report)

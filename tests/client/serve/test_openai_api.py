@@ -5,11 +5,8 @@ what the server sends, as its client does)."""
 from __future__ import annotations
 
 import errno
-import json
 
 import pytest
-from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from muxworker.client import (
     CapacityExhausted,
@@ -19,7 +16,6 @@ from muxworker.client import (
     ClientClosedError,
     ContextOverflow,
     EvictionFailed,
-    GenerationResult,
     InvalidArgument,
     NotReady,
     StoreUnavailable,
@@ -28,7 +24,6 @@ from muxworker.client import (
 )
 from muxworker.serve import openai_api as oa
 from muxworker.serve.tenants import TenantQuotaExceeded
-from muxworker.serve.tools import ToolCall
 from muxworker.transport.checkpoint.errors import CheckpointMalformed, os_failure
 from muxworker.transport.errors import ERRORS
 
@@ -230,9 +225,6 @@ def test_the_servers_own_limits_stay_its_own():
     assert (storage.status, storage.type, storage.code) == (507, "insufficient_storage", "tenant_storage_limit")
 
 
-RESULT = GenerationResult("stop", 5, 3, 2, 4, [1, 2, 3, 4], 0.1, 0.2, committed_tokens=4)
-
-
 def test_response_format_with_tools_holds_the_content_not_the_calls():
     body = {
         "messages": [{"role": "user", "content": "hi"}],
@@ -242,54 +234,3 @@ def test_response_format_with_tools_holds_the_content_not_the_calls():
     parsed = oa.parse_chat_request(body, MODEL)
     assert parsed.tools is not None and parsed.tools.content_schema == {"type": "object"}
     assert "constraint" not in parsed.params.fields  # the tool format's grammar takes it in
-
-
-def test_responses_parse_as_the_sdk_types():
-    body = oa.completion_body(True, "chatcmpl-1", MODEL, [oa.Choice(0, "hello", RESULT)], "s", None)
-    parsed = ChatCompletion.model_validate(body)
-    assert parsed.choices[0].message.content == "hello" and parsed.usage.prompt_tokens_details.cached_tokens == 3
-    assert parsed.usage.total_tokens == 9
-    completion = Completion.model_validate(
-        oa.completion_body(False, "cmpl-1", MODEL, [oa.Choice(0, "x", RESULT)], None, None)
-    )
-    assert completion.choices[0].text == "x" and completion.choices[0].finish_reason == "stop"
-    # Two choices, one a tool call: the prompt counted once, the completions summed.
-    call = ToolCall("call_1", "f", '{"a": 1}')
-    body = oa.completion_body(
-        True, "c", MODEL, [oa.Choice(0, "hi", RESULT), oa.Choice(1, "", RESULT, [call])], None, None, 2
-    )
-    parsed = ChatCompletion.model_validate(body)
-    assert [c.index for c in parsed.choices] == [0, 1] and parsed.choices[1].message.content is None
-    assert parsed.choices[1].finish_reason == "tool_calls" and parsed.choices[1].message.tool_calls[0].id == "call_1"
-    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (5, 8)
-    assert parsed.usage.prompt_tokens_details.cached_tokens == 2
-
-
-def test_stream_chunks_parse_as_the_sdk_types():
-    writer = oa.ChunkWriter("chatcmpl-1", MODEL, chat=True)
-    events = [writer.role(), writer.delta('a "quoted"\n\u00e9'), writer.finish(RESULT), writer.usage([RESULT])]
-    chunks = []
-    for event in events:
-        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-        chunks.append(ChatCompletionChunk.model_validate(json.loads(event[6:])))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[1].choices[0].delta.content == 'a "quoted"\n\u00e9'
-    assert chunks[2].choices[0].finish_reason == "stop" and chunks[3].usage.completion_tokens == 4
-    text = oa.ChunkWriter("cmpl-1", MODEL, chat=False)
-    # As OpenAI streams completions: finish_reason null until the last chunk (the SDK's Completion
-    # type only admits the final values, so the SDK reads stream chunks without validating them).
-    assert json.loads(text.delta("t")[6:])["choices"][0] == {
-        "index": 0,
-        "text": "t",
-        "logprobs": None,
-        "finish_reason": None,
-    }
-    assert Completion.model_validate(json.loads(text.finish(RESULT)[6:])).choices[0].finish_reason == "stop"
-    assert json.loads(oa.ChunkWriter.error(oa.bad_request("no"))[6:])["error"]["message"] == "no"
-    # Another choice's chunks carry its index; a tool call comes as its head, then its arguments.
-    other = ChatCompletionChunk.model_validate(json.loads(writer.delta("b", (), 2)[6:]))
-    assert other.choices[0].index == 2 and other.choices[0].delta.content == "b"
-    head, args = writer.tool_calls([ToolCall("call_9", "f", '{"x": 1}')], 1).split(b"\n\n")[:2]
-    head_chunk = ChatCompletionChunk.model_validate(json.loads(head[6:]))
-    assert head_chunk.choices[0].index == 1 and head_chunk.choices[0].delta.tool_calls[0].function.name == "f"
-    assert json.loads(args[6:])["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
