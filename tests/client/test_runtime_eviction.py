@@ -17,6 +17,7 @@ import pytest
 import trio
 from helpers.fake_worker import FakeStore, fake_worker_client
 from helpers.params import greedy
+from helpers.runtime import BOTH, CONFIG, HANG_GUARD_S, PROMPT
 
 from muxworker.client import (
     CapacityExhausted,
@@ -31,18 +32,8 @@ from muxworker.client import (
 )
 from muxworker.client.runtime import EvictionFailed, RuntimeGenerationResult
 
-HANG_GUARD_S = 60.0
-CONFIG = {"backend": "torch", "dtype": "float32"}
-PROMPT = list(range(10, 30))  # token ids; the tiny vocabulary has a few hundred
 LONG = 4000  # runs until cancelled
-LIMITS = dict(max_sessions=2, max_session_tokens=4096, max_inflight_requests=8)
-# A test parametrized with this runs on the fake worker, and on a real one in the slow tier.
-BOTH = pytest.mark.parametrize("backend", ["fake", pytest.param("worker", marks=pytest.mark.slow)], indirect=True)
-
-
-@pytest.fixture
-def backend(request) -> str:
-    return getattr(request, "param", "fake")
+LIMITS = dict(max_sessions=2, max_session_tokens=4096, max_inflight_requests=8)  # two slots: eviction
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,24 @@ def test_a_tool_conversation_is_a_session_reused_whole_after_a_restart(tmp_path)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"})
 
 
+def _run_agent(server: ServerProcess, agent: dict, question: str, max_turns: int, hooks: Any) -> Any:
+    """Run an Agents SDK agent (``agent``: its keyword arguments) on the server, greedy, tool_choice
+    required until ``hooks`` say otherwise; its client is closed in the run's own event loop."""
+    import agents
+
+    async def run() -> Any:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+            built = agents.Agent(
+                **agent,
+                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+                model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
+                reset_tool_choice=False,
+            )
+            return await agents.Runner.run(built, question, max_turns=max_turns, hooks=hooks)
+
+    return asyncio.run(run())
+
+
 def test_an_agents_sdk_agent_calls_its_function_and_answers(server):
     os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
     agents = pytest.importorskip("agents")
@@ -163,19 +181,8 @@ def test_an_agents_sdk_agent_calls_its_function_and_answers(server):
             if len(called) >= 5:
                 agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
 
-    async def run() -> Any:
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
-            agent = agents.Agent(
-                name="weather",
-                instructions="You answer questions about the weather.",
-                tools=[get_weather],
-                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
-                model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
-                reset_tool_choice=False,
-            )
-            return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=8, hooks=AnswerAfter())
-
-    result = asyncio.run(run())
+    agent = dict(name="weather", instructions="You answer questions about the weather.", tools=[get_weather])
+    result = _run_agent(server, agent, "What is the weather in Paris?", 8, AnswerAfter())
     assert len(called) == 5 and all(unit in ("celsius", "fahrenheit") for _, unit in called)
     assert isinstance(result.final_output, str) and result.final_output.strip()
     # The stateless requests reuse the previous turn through the prefix cache: from turn 2 on, at
@@ -236,18 +243,6 @@ def test_an_agents_sdk_agent_with_an_output_type_answers_in_it(server):
         async def on_tool_end(self, context, agent, tool, result):
             agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
 
-    async def run() -> Any:
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
-            agent = agents.Agent(
-                name="reporter",
-                instructions="You report the weather.",
-                tools=[get_weather],
-                output_type=Report,
-                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
-                model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
-                reset_tool_choice=False,
-            )
-            return await agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=4, hooks=AnswerAfterOne())
-
-    result = asyncio.run(run())
+    agent = dict(name="reporter", instructions="You report the weather.", tools=[get_weather], output_type=Report)
+    result = _run_agent(server, agent, "What is the weather in Oslo?", 4, AnswerAfterOne())
     assert len(called) == 1 and isinstance(result.final_output, Report)
