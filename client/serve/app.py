@@ -348,13 +348,17 @@ class _GenerationEndpoint:
         if content or entries:
             await out.send(out.writer.delta(content, entries, choice.index))
         choice.sent += len(entries)
+        deltas = choice.parser.pop_deltas()
+        if deltas:
+            await out.send(out.writer.call_deltas(deltas, choice.index))
 
     async def _end_choice(self, out: _Out, choice: _Choice, result: Any, session: dict | None = None) -> None:
         content, calls = choice.parser.finish()
         if content:
             await out.send(out.writer.delta(content, (), choice.index))
-        if calls:
-            await out.send(out.writer.tool_calls(calls, choice.index))
+        deltas = choice.parser.pop_deltas()
+        if deltas:
+            await out.send(out.writer.call_deltas(deltas, choice.index))
         rest = (result.logprobs or ())[choice.sent :]  # tokens no text chunk carried (a stop token)
         await out.send(out.writer.finish(result, session, rest, calls, choice.index))
 

@@ -13,7 +13,7 @@ from typing import Any
 from muxworker.client.params import GenerationResult, TokenLogprob
 
 from .openai_api import APIError
-from .tools import ToolCall
+from .tools import CallDelta, ToolCall
 
 __all__ = ["Choice", "ChunkWriter", "DONE", "Logprobs", "completion_body", "finish_reason", "new_id", "usage"]
 
@@ -180,14 +180,21 @@ class ChunkWriter:
             choice["text"] = text
         return self._event({**self._head, "choices": [choice]})
 
-    def tool_calls(self, calls: Sequence[ToolCall], index: int = 0) -> bytes:
-        """OpenAI's tool-call deltas: per call, its index, id and name, then its arguments."""
+    def call_deltas(self, deltas: Sequence[CallDelta], index: int = 0) -> bytes:
+        """OpenAI's tool-call deltas of choice ``index``: a call's first with its index, id, type
+        and name, the next ones with pieces of its arguments."""
         out = []
-        for i, call in enumerate(calls):
-            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            for part in (head, {"index": i, "function": {"arguments": call.arguments}}):
-                choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
-                out.append(self._event({**self._head, "choices": [choice]}))
+        for d in deltas:
+            part: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+            if d.id is not None:
+                part = {
+                    "index": d.index,
+                    "id": d.id,
+                    "type": "function",
+                    "function": {"name": d.name, "arguments": d.arguments},
+                }
+            choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+            out.append(self._event({**self._head, "choices": [choice]}))
         return b"".join(out)
 
     def finish(

@@ -23,7 +23,8 @@ made the model write it (JSON on one line, ``", "`` and ``": "``, the arguments 
 next turn of a session reuses the whole history, tool calls and results included.
 
 :class:`OutputParser` turns the generated text into content and calls, streamed: content as it
-comes (a possible opening tag held back until it is decided), each call once it is complete.
+comes (a possible opening tag held back until it is decided), each call's id and name once its
+name is written, then its arguments piece by piece (:class:`CallDelta`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 from muxworker.transport.sampling import JSON_LAYOUT, bounded_schema
 
-__all__ = ["Tool", "ToolCall", "ToolRequest", "ToolFormat", "OutputParser", "tool_format", "TOOL_NAME"]
+__all__ = ["Tool", "ToolCall", "CallDelta", "ToolRequest", "ToolFormat", "OutputParser", "tool_format", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
 
@@ -347,6 +348,17 @@ def tool_format(chat_template: str | None) -> ToolFormat:
 # -- parsing --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its first carries the call's ``id`` and ``name`` (once the name
+    is complete), the rest pieces of its arguments' JSON text as the model writes them."""
+
+    index: int  # the call's place in the reply
+    id: str | None
+    name: str | None
+    arguments: str
+
+
 class OutputParser:
     """Free text: everything is content."""
 
@@ -362,6 +374,110 @@ class OutputParser:
         """At the end of the output: the content not yet given out, and the calls."""
         return "", []
 
+    def pop_deltas(self) -> list[CallDelta]:
+        """The call pieces found since the last call (after :meth:`feed` or :meth:`finish`)."""
+        return []
+
+
+class _CallScanner:
+    """Finds the calls of a reply as they are written, ``{"name": <string>, "<key>": <value>}`` in
+    the grammar's one layout, whatever stands between them: each call's id and name once its name
+    is complete, then pieces of its arguments as they come."""
+
+    _OPEN = '{"name": "'
+
+    def __init__(self, args_key: str) -> None:
+        self._key = f', "{args_key}": '
+        self.text = ""
+        self.calls: list[ToolCall] = []
+        self._deltas: list[CallDelta] = []
+        self._pos = 0  # where to look for the next call
+        self._value: int | None = None  # where the current call's arguments start, while in them
+        self._scan = 0  # how far they were scanned
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        while self._step():
+            pass
+
+    def pop(self) -> list[CallDelta]:
+        out, self._deltas = self._deltas, []
+        return out
+
+    def _step(self) -> bool:
+        """Advance as far as the text allows; True when another round may find more."""
+        text = self._text_or_none()
+        if text is None:
+            return False
+        if self._value is None:
+            at = text.find(self._OPEN, self._pos)
+            if at == -1:
+                return False
+            end = _string_end(text, at + len(self._OPEN))
+            if end is None or len(text) < end + 1 + len(self._key):
+                return False
+            if not text.startswith(self._key, end + 1):
+                self._pos = end + 1  # not a call after all
+                return True
+            call = ToolCall(ToolCall.new_id(), json.loads(text[at + len(self._OPEN) - 1 : end + 1]), "")
+            self.calls.append(call)
+            self._deltas.append(CallDelta(len(self.calls) - 1, call.id, call.name, ""))
+            self._value = self._scan = end + 1 + len(self._key)
+            self._depth, self._in_string, self._escaped = 0, False, False
+            return True
+        start, done = self._scan, None
+        for i in range(self._scan, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]" or (c == "," and self._depth == 0):
+                if self._depth == 0:  # a scalar value ends before this
+                    done = i
+                    break
+                self._depth -= 1
+                if self._depth == 0:
+                    done = i + 1
+                    break
+        end = len(text) if done is None else done
+        piece = text[start:end]
+        self._scan = end
+        index = len(self.calls) - 1
+        if piece:
+            call = self.calls[index]
+            self.calls[index] = ToolCall(call.id, call.name, call.arguments + piece)
+            self._deltas.append(CallDelta(index, None, None, piece))
+        if done is None:
+            return False
+        self._value, self._pos = None, end
+        return True
+
+    def _text_or_none(self) -> str | None:
+        return self.text if self._pos < len(self.text) or self._value is not None else None
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """The index of the quote that closes the JSON string whose characters begin at ``start``."""
+    i = start
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == '"':
+            return i
+        i += 1
+    return None
+
 
 class _TaggedParser(OutputParser):
     """Content up to the format's trigger, calls after it (parsed at the end)."""
@@ -371,11 +487,21 @@ class _TaggedParser(OutputParser):
         self._held = ""  # text that may be the start of the trigger
         self._calls: str | None = None  # the text from the trigger on, once it appeared
         self._content = False  # llama3: the reply was decided to be text
+        self._scanner = _CallScanner(fmt.args_key)
 
     def fresh(self) -> OutputParser:
         return _TaggedParser(self.fmt)
 
+    def pop_deltas(self) -> list[CallDelta]:
+        return self._scanner.pop()
+
     def feed(self, text: str) -> str:
+        content = self._feed(text)
+        if self._calls is not None:
+            self._scanner.feed(self._calls[len(self._scanner.text) :])
+        return content
+
+    def _feed(self, text: str) -> str:
         if self._calls is not None:
             self._calls += text
             return ""
@@ -406,8 +532,9 @@ class _TaggedParser(OutputParser):
         if self._calls is None:
             held, self._held = self._held, ""
             return held, []
-        calls = _read_calls(self._calls, self.fmt)
-        return ("", calls) if calls is not None else (self._calls, [])
+        if _read_calls(self._calls, self.fmt) is None:  # not complete (cut by max_tokens)
+            return self._calls, []
+        return "", self._scanner.calls  # as streamed: the same ids, the arguments as written
 
 
 def _read_calls(text: str, fmt: _Native) -> list[ToolCall] | None:
@@ -439,12 +566,19 @@ class _JsonReplyParser(OutputParser):
         self.raw = raw  # the response is a JSON value (response_format), given out as its text
         self._text = ""
         self._given = 0  # characters of the response given out
+        self._scanner = _CallScanner("arguments")
 
     def fresh(self) -> OutputParser:
         return _JsonReplyParser(self.raw)
 
+    def pop_deltas(self) -> list[CallDelta]:
+        return self._scanner.pop()
+
     def feed(self, text: str) -> str:
         self._text += text
+        if self._text.startswith('{"tool_calls": '[: len(self._text)]):
+            self._scanner.feed(self._text[len(self._scanner.text) :])
+            return ""
         prefix = self._PREFIX if self.raw else self._PREFIX + '"'
         if not self._text.startswith(prefix[: len(self._text)]) or len(self._text) < len(prefix):
             return ""
@@ -467,10 +601,9 @@ class _JsonReplyParser(OutputParser):
                 return self._text[len(self._PREFIX) : -1][self._given :], []
             if isinstance(obj["response"], str):
                 return obj["response"][self._given :], []
-        calls = []
-        for c in obj.get("tool_calls", []) if isinstance(obj, dict) else []:
-            calls.append(ToolCall(ToolCall.new_id(), c["name"], _arguments(c.get("arguments", {}))))
-        return "", calls
+        if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
+            return "", self._scanner.calls  # as streamed: the same ids, the arguments as written
+        return "", []
 
 
 def _is_json(text: str) -> bool:

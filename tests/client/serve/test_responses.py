@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from muxworker.client.params import GenerationResult
 from muxworker.serve import openai_api as oa
 from muxworker.serve import responses as rs
-from muxworker.serve.tools import ToolCall
+from muxworker.serve.tools import CallDelta, ToolCall
 
 MODEL = "m"
 
@@ -64,7 +64,9 @@ def test_stream_chunks_parse_as_the_sdk_types():
     # Another choice's chunks carry its index; a tool call comes as its head, then its arguments.
     other = ChatCompletionChunk.model_validate(json.loads(writer.delta("b", (), 2)[6:]))
     assert other.choices[0].index == 2 and other.choices[0].delta.content == "b"
-    head, args = writer.tool_calls([ToolCall("call_9", "f", '{"x": 1}')], 1).split(b"\n\n")[:2]
+    deltas = [CallDelta(0, "call_9", "f", ""), CallDelta(0, None, None, '{"x": '), CallDelta(0, None, None, "1}")]
+    head, args, more = writer.call_deltas(deltas, 1).split(b"\n\n")[:3]
     head_chunk = ChatCompletionChunk.model_validate(json.loads(head[6:]))
     assert head_chunk.choices[0].index == 1 and head_chunk.choices[0].delta.tool_calls[0].function.name == "f"
-    assert json.loads(args[6:])["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    assert json.loads(args[6:])["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"x": '
+    assert json.loads(more[6:])["choices"][0]["delta"]["tool_calls"][0] == {"index": 0, "function": {"arguments": "1}"}}

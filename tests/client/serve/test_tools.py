@@ -270,3 +270,41 @@ def test_a_structured_reply_beside_tools_is_held_to_response_format(engines):
         [{"role": "user", "content": "x"}, {"role": "assistant", "content": '{"ok": true}'}], request
     )
     assert out[-1]["content"] == '{"response": {"ok": true}}'
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        (
+            HERMES,
+            'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro\\"me}", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}\n</tool_call>',
+        ),
+        (
+            GENERIC,
+            '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Ro\\"me}", "unit": "c"}}, {"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}]}',
+        ),
+        (
+            MISTRAL,
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro\\"me}", "unit": "c"}}, {"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}]',
+        ),
+    ],
+    ids=["hermes", "generic", "mistral"],
+)
+def test_calls_stream_as_id_and_name_then_argument_pieces(fmt, text):
+    parser = fmt.parser(ToolRequest((WEATHER, ADD), "auto"))
+    deltas, content = [], ""
+    for i in range(0, len(text), 3):  # three characters at a time, as tokens might come
+        content += parser.feed(text[i : i + 3])
+        deltas += parser.pop_deltas()
+    rest, calls = parser.finish()
+    deltas += parser.pop_deltas()
+    assert content + rest == ("Sure. " if fmt is HERMES else "")
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Ro\\"me}", "unit": "c"}'),
+        ("add", '{"a": 1, "b": [2, {"c": 3}]}'),
+    ]
+    for index, call in enumerate(calls):
+        mine = [d for d in deltas if d.index == index]
+        assert (mine[0].id, mine[0].name) == (call.id, call.name)  # id and name first, the ids kept
+        assert all(d.id is None for d in mine[1:]) and len(mine) > 3  # then several pieces
+        assert "".join(d.arguments for d in mine) == call.arguments
