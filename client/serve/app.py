@@ -235,8 +235,8 @@ class _GenerationEndpoint:
                 if parsed.tools is not None:
                     if parsed.tools.content_schema is not None and not fmt.accepts_content_schema:
                         raise oa.bad_request(
-                            f"response_format together with tools is served for the generic tool format only; "
-                            f"this model's is {fmt.name}",
+                            f"response_format together with tools is not served for the {fmt.name} tool format "
+                            "(its calls are JSON objects themselves)",
                             param="response_format",
                             code="unsupported",
                         )

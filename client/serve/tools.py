@@ -67,8 +67,8 @@ class ToolRequest:
     choice: str = "auto"  # "none", "auto", "required", or "function" (the one named ``function``)
     function: str | None = None
     parallel: bool = True
-    # response_format's JSON Schema for a reply that is not a call (None: free text); the generic
-    # format only (GenericFormat.accepts_content_schema)
+    # response_format's JSON Schema for a reply that is not a call (None: free text); for the
+    # formats whose accepts_content_schema says so
     content_schema: dict[str, Any] | None = None
 
     @property
@@ -270,6 +270,12 @@ class _Native(ToolFormat):
     text_first: bool = True  # whether content may precede the calls (llama3: the reply is the call)
 
     @property
+    def accepts_content_schema(self) -> bool:  # type: ignore[override]
+        # A reply is JSON content or calls that open with a tag; llama3's calls are JSON objects
+        # themselves, which a content schema could not be told apart from.
+        return self.text_first
+
+    @property
     def trigger(self) -> str:
         """What starts the calls (the ``open`` string without its trailing whitespace)."""
         return self.open.rstrip() or "{"
@@ -292,8 +298,12 @@ class _Native(ToolFormat):
         return out
 
     def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
+        content = None
+        if request.content_schema is not None:  # response_format: a reply that is not a call
+            layout = {**bounded_schema(request.content_schema), "x-guidance": JSON_LAYOUT}
+            content = "content: %json " + json.dumps(layout)
         if not request.callable:
-            return None
+            return {"lark": f"start: content\n{content}"} if content else None
         call = "call: " + _lark_json(request.callable, self.args_key)
         more = f" ({_lark_text(self.sep)} call)*" if request.most is None else ""
         calls = " ".join(p for p in (_lark_text(self.open) if self.open else "", f"call{more}") if p)
@@ -301,6 +311,8 @@ class _Native(ToolFormat):
             calls += " " + _lark_text(self.close)
         if request.forced:
             return {"lark": f"start: {calls}\n{call}"}
+        if content is not None:
+            return {"lark": f"start: content | {calls}\n{content}\n{call}"}
         if not self.text_first:
             # The reply is the call, or text that does not start like one.
             return {"lark": f"start: FREE? | {calls}\nFREE: /[^{{\\s](.|\\n)*/\n{call}"}

@@ -308,3 +308,32 @@ def test_calls_stream_as_id_and_name_then_argument_pieces(fmt, text):
         assert (mine[0].id, mine[0].name) == (call.id, call.name)  # id and name first, the ids kept
         assert all(d.id is None for d in mine[1:]) and len(mine) > 3  # then several pieces
         assert "".join(d.arguments for d in mine) == call.arguments
+
+
+def test_native_formats_take_response_format_beside_tools(engines):
+    """Hermes and Mistral: a reply is the JSON content or tagged calls; Llama 3's calls are JSON
+    objects themselves, so it is refused there (by the server, from accepts_content_schema)."""
+    from muxworker.worker.engine.constraints import GrammarCompiler
+
+    engine = engines["hermes"]
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+
+    def accepts(fmt, request, text: str) -> bool:
+        g = compiler.compile(fmt.constraint(request))
+        return g.matcher.consume_tokens(engine.tokenizer.encode(text)) and g.matcher.is_accepting()
+
+    auto = ToolRequest((WEATHER,), "auto", content_schema=schema)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    assert accepts(HERMES, auto, '{"ok": true}') and accepts(HERMES, auto, call)
+    assert not accepts(HERMES, auto, "free text") and not accepts(HERMES, auto, '{"ok": 1}')
+    none = ToolRequest((WEATHER,), "none", content_schema=schema)
+    assert accepts(HERMES, none, '{"ok": false}') and not accepts(HERMES, none, call)
+    assert accepts(MISTRAL, auto, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}]')
+    assert HERMES.accepts_content_schema and MISTRAL.accepts_content_schema and GENERIC.accepts_content_schema
+    assert not LLAMA3.accepts_content_schema
