@@ -46,6 +46,7 @@ from muxworker.client import (
 from muxworker.serve.app import AppConfig, create_app
 from muxworker.serve.metrics import ServerMetrics
 from muxworker.serve.process import ServerProcess
+from muxworker.serve.tools import GENERIC, ToolFormat
 from muxworker.worker.models.loader import resolve_model
 
 TOPICS = ["the sea", "mountains", "a city at night", "trains", "bread", "rain", "a garden", "the moon"]
@@ -226,12 +227,21 @@ class _ScriptedStream:
     def cancel(self) -> None:
         pass
 
+    def logprobs_from(self, start: int) -> list:
+        return []
+
 
 class _ScriptedService:
     ready, last_error = True, None
 
-    async def render_chat(self, messages: list) -> list[int]:
+    async def render_chat(self, messages: list, tools: object = None) -> list[int]:
         return [1, 2, 3]
+
+    def tool_format(self) -> ToolFormat:
+        return GENERIC
+
+    def max_messages(self) -> None:
+        return None
 
     async def open_ephemeral(self, tenant: object) -> tuple[str, None]:
         return "s", None
