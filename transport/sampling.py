@@ -145,8 +145,9 @@ class SamplingFields:
         params.validate()
         return params
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise :class:`InvalidArgument` naming the first field that is out of range."""
+    def validate(self, vocab_size: int | None = None, *, constraint: bool = True) -> None:
+        """Raise :class:`InvalidArgument` naming the first field that is out of range.
+        ``constraint=False``: the constraint was checked already (its size check encodes it)."""
         if not _is_int(self.max_new_tokens) or (self.max_new_tokens < 1 and self.max_new_tokens != -1):
             raise InvalidArgument(f"max_new_tokens must be a positive integer or -1, got {self.max_new_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -191,7 +192,7 @@ class SamplingFields:
                 raise InvalidArgument(f"stop_token_ids must lie in [0, {vocab_size})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        if self.constraint is not None:
+        if constraint and self.constraint is not None:
             check_constraint(self.constraint)
 
 

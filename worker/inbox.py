@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from muxworker.transport.errors import MuxError
 from muxworker.transport.framing import Frame, MiB
+from muxworker.transport.sampling import SamplingFields
 
 if TYPE_CHECKING:
     from muxworker.worker.engine.constraints import Guide
@@ -56,9 +57,11 @@ class IoDone:
 
 @dataclass(frozen=True)
 class Guided:
-    """A ``generate`` frame whose constraint the reader thread compiled (worker/engine/constraints.py)."""
+    """A ``generate`` frame whose sampling fields the reader thread checked and whose constraint it
+    compiled (worker/engine/constraints.py), so neither costs the engine thread anything."""
 
     frame: Frame
+    params: SamplingFields
     guide: Guide
 
 

@@ -78,13 +78,12 @@ from muxworker.transport.messages import (
     TokenLogprob,
 )
 from muxworker.transport.prompt import SpecialText
-from muxworker.transport.sampling import check_constraint
+from muxworker.transport.sampling import SamplingFields
 from muxworker.transport.schema import error_control, validate
 from muxworker.worker.inbox import Guided, Inbox, IoDone, Item, Rejected, Stop
 
 if TYPE_CHECKING:
     from muxworker.worker.engine import Engine, EngineOutput
-    from muxworker.worker.engine.constraints import Guide
 
 __all__ = [
     "EXIT_OK",
@@ -352,11 +351,11 @@ class WorkerServer:
         """Reader thread: a generate frame with a constraint, compiled here, off the engine thread
         (bounded in size and work, constraints.py), so a large schema never delays a step; the
         engine's grammar compiler is the one engine attribute this thread uses (it is thread-safe)."""
-        constraint = frame.control.get("constraint") if frame.control["kind"] == "generate" else None
-        if constraint is None:
+        if frame.control["kind"] != "generate" or frame.control.get("constraint") is None:
             return frame
-        check_constraint(constraint)
-        return Guided(frame, self._engine.grammars.compile(constraint))
+        params = SamplingFields.from_wire(frame.control)  # every field checked, the constraint's size too
+        assert params.constraint is not None
+        return Guided(frame, params, self._engine.grammars.compile(params.constraint))
 
     # -- messages -------------------------------------------------------------------------
 
@@ -372,7 +371,7 @@ class WorkerServer:
             call = functools.partial(self._io_done, item)
         elif isinstance(item, Guided):
             rid, kind = item.frame.control["id"], "generate"
-            call = functools.partial(self._generate, rid, item.frame.control, item.frame, item.guide)
+            call = functools.partial(self._generate, rid, item.frame.control, item.frame, item)
         else:
             rid, kind = item.control["id"], item.control["kind"]
             call = functools.partial(self._request, rid, kind, item)
@@ -447,9 +446,7 @@ class WorkerServer:
         self._engine.fork_session(msg.session_id, msg.target_id, msg.rows)
         self._write(self._ok(rid))
 
-    def _generate(self, rid: int, control: dict[str, Any], frame: Frame, guide: Guide | None = None) -> None:
-        from muxworker.worker.engine.sampling import SamplingParams
-
+    def _generate(self, rid: int, control: dict[str, Any], frame: Frame, guided: Guided | None = None) -> None:
         prompt: list[str | list[int]] = []
         for segment in control["prompt"]:
             if "text" in segment:
@@ -457,7 +454,8 @@ class WorkerServer:
                 prompt.append(SpecialText(text) if segment.get("special") else text)
             else:
                 prompt.append(payload_array(frame, segment["tokens"]).tolist())
-        params = SamplingParams.from_wire(control)
+        params = guided.params if guided is not None else SamplingFields.from_wire(control)
+        guide = guided.guide if guided is not None else None
         self._engine.submit(
             rid, control["session_id"], prompt, params, cache_salt=control.get("cache_salt"), guide=guide
         )

@@ -321,7 +321,7 @@ class _GenerationEndpoint:
         try:
             for index in range(1, n):
                 fork, fork_runtime = await self.service.open_ephemeral(tenant)
-                extras.append(_Choice(index, fork, fork_runtime, None, _fresh_parser(parser)))
+                extras.append(_Choice(index, fork, fork_runtime, None, parser.fresh()))
                 await fork_runtime.fork_session(sid, fork, prefill.prompt_tokens)
             for choice in extras:
                 fields = dict(params.fields)
@@ -525,11 +525,6 @@ def _first_error(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
-
-
-def _fresh_parser(parser: OutputParser) -> OutputParser:
-    """A parser like ``parser`` for another choice (parsers hold one output's state)."""
-    return parser.fresh()
 
 
 class _Turn:

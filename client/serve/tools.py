@@ -131,11 +131,6 @@ def _lark_text(value: str) -> str:
     return json.dumps(value)
 
 
-def _arguments(value: Any) -> str:
-    """An arguments object as the grammar writes it: JSON on one line, ``", "`` and ``": "``."""
-    return json.dumps(value, ensure_ascii=False)
-
-
 def _parsed_arguments(text: str) -> Any:
     try:
         return json.loads(text)
@@ -544,29 +539,28 @@ class _TaggedParser(OutputParser):
         if self._calls is None:
             held, self._held = self._held, ""
             return held, []
-        if _read_calls(self._calls, self.fmt) is None:  # not complete (cut by max_tokens)
+        if not _complete(self._calls, self.fmt):  # cut by max_tokens
             return self._calls, []
         return "", self._scanner.calls  # as streamed: the same ids, the arguments as written
 
 
-def _read_calls(text: str, fmt: _Native) -> list[ToolCall] | None:
-    """The calls of ``text`` (from the opening string on), or None when it is not complete."""
+def _complete(text: str, fmt: _Native) -> bool:
+    """Whether ``text`` (from the opening string on) holds whole calls, closed as the format closes
+    them (not cut off by max_tokens)."""
     decoder = json.JSONDecoder()
     pos = len(fmt.open) if text.startswith(fmt.open) else 0
-    calls = []
     while True:
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except ValueError:
-            return None
+            return False
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        calls.append(ToolCall(ToolCall.new_id(), obj["name"], _arguments(obj.get(fmt.args_key, {}))))
+            return False
         if fmt.sep and text.startswith(fmt.sep, pos):
             pos += len(fmt.sep)
             continue
         rest = text[pos:]
-        return calls if rest == fmt.close or (not fmt.close and not rest.strip()) else None
+        return rest == fmt.close or (not fmt.close and not rest.strip())
 
 
 class _JsonReplyParser(OutputParser):

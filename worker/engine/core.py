@@ -391,7 +391,8 @@ class Engine(EngineCheckpoints):
         s = self._idle_session(sid)
         if s.request is not None:
             raise SessionBusy(f"session {sid!r} is already generating (request {s.request.rid})")
-        params.validate(self.vocab_size)
+        # A compiled guide's constraint was checked where it was compiled (the worker's reader thread).
+        params.validate(self.vocab_size, constraint=guide is None)
         cache_salt = self._check_cache_salt(cache_salt)
         if params.constraint is None:
             guide = None
