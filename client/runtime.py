@@ -504,6 +504,11 @@ class SessionRuntime:
 
         return await self._call(target_id, body)
 
+    async def bring_back(self, session_id: str) -> bool:
+        """Make an evicted session live again (resumed from the store, in its turn); returns
+        whether it was resumed. A live one is left as it is."""
+        return await self._call(session_id, lambda: self._bring_back(session_id))
+
     async def reset_session(self, session_id: str) -> None:
         """Forget a session's history and keep it open. An evicted one is not loaded: it stays
         evicted with nothing to resume, and its next use reopens it empty (its file stays)."""

@@ -148,6 +148,12 @@ class RuntimeStream:
             pass
         return self._op.value
 
+    async def settled(self) -> RuntimeGenerationResult | None:
+        """Wait until the generation has settled, without reading its output; its result, or
+        None when it failed."""
+        await self._op.done.wait()
+        return self._op.value if self._op.error is None else None
+
     def cancel(self) -> None:
         """Cancel this generation only (see the class docstring). Idempotent."""
         self._cancel_requested = True

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from muxworker.transport.checkpoint import (
     DEFAULT_MAX_BYTES,
     CheckpointCorrupt,
@@ -39,7 +41,7 @@ from muxworker.transport.checkpoint.container import FILE_VERSION, _identity_mis
 from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.file import assemble_checkpoint, write_checkpoint_segment
 from muxworker.transport.checkpoint.manifest import SessionManifest, check_chain
-from muxworker.transport.checkpoint.segments import SegmentRef, read_segment_header
+from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
 from muxworker.transport.errors import (  # noqa: F401  (the store's errors: local.py and objects.py raise them from here)
     ConfigurationMismatch,
     InvalidArgument,
@@ -57,6 +59,11 @@ if TYPE_CHECKING:
 
 SUFFIX = ".mxckpt"
 SEGMENT_SUFFIX = ".mxseg"
+#: A record (:meth:`StoreBinding.put_record`) is ``<hash>.mxrec`` (``hash``: :func:`session_hash`
+#: of its key); the collector never touches one.
+RECORD_SUFFIX = ".mxrec"
+#: The most bytes one record may hold (records are small documents: a stored response, say).
+MAX_RECORD_BYTES = 8 << 20
 #: A session's manifest is ``<hash>.mxckpt`` and its own segments ``<hash>.<random>.mxseg``, on
 #: every backend (``hash``: :func:`session_hash` of its id), so a segment's name says whose it is.
 MANIFEST_NAME = re.compile(r"[0-9a-f]{64}\.mxckpt")
@@ -524,6 +531,48 @@ class StoreBinding:
 
     def list_info(self) -> builtins.list[SessionInfo]:
         raise NotImplementedError
+
+    def saved_tokens(self, session_id: str) -> builtins.list[int]:
+        """The token ids of the positions ``session_id``'s save holds (the rows a resume
+        restores), read from its segments' token payloads alone, each checked against its CRC
+        (an HTTP server matches a new prompt against them after a restart)."""
+        plan = self.begin_resume(session_id)
+        try:
+            tokens: builtins.list[int] = []
+            for fd, ref in zip(plan.fds, plan.manifest.segments):
+                name = f"segment {ref.name} of session {session_id!r}"
+                header = read_segment_header(fd, name, ref)
+                ids = np.empty(header.end - header.start, np.int32)
+                read_payload_into(fd, header, 0, [memoryview(ids.data).cast("B")], name)
+                tokens[header.start :] = ids.tolist()
+            return tokens[: plan.manifest.position]
+        finally:
+            plan.close()
+
+    # -- records: small documents beside the sessions, unbound to the model -----------------------
+
+    def put_record(self, key: str, data: bytes) -> None:
+        """Replace the record ``key`` with ``data`` (at most MAX_RECORD_BYTES), atomically."""
+        raise NotImplementedError
+
+    def get_record(self, key: str) -> bytes:
+        """The record ``key``; CheckpointNotFound when there is none."""
+        raise NotImplementedError
+
+    def delete_record(self, key: str) -> bool:
+        """Remove the record ``key``; returns whether it existed."""
+        raise NotImplementedError
+
+    @staticmethod
+    def record_name(key: str) -> str:
+        return session_hash(key) + RECORD_SUFFIX
+
+    @staticmethod
+    def checked_record(key: str, data: bytes) -> str:
+        """The file name of record ``key`` after the checks :meth:`put_record` makes of ``data``."""
+        if not isinstance(data, bytes) or len(data) > MAX_RECORD_BYTES:
+            raise InvalidArgument(f"a record is at most {MAX_RECORD_BYTES} bytes")
+        return StoreBinding.record_name(key)
 
     def list(self) -> builtins.list[str]:
         """Session ids with a saved manifest, sorted; unreadable ones are skipped."""

@@ -54,6 +54,7 @@ from .binding import (
     DEFAULT_COMPACT_AFTER,
     LOCAL_BLOCK_TOKENS,
     MANIFEST_NAME,
+    MAX_RECORD_BYTES,
     SEGMENT_SUFFIX,
     SUFFIX,
     WRITERS_LOCK,
@@ -550,6 +551,44 @@ class SessionStore(StoreBinding):
             pass  # a stray segment is what clean() removes; the published state is what counts
 
     # -- removing -------------------------------------------------------------------------------
+
+    def put_record(self, key: str, data: bytes) -> None:
+        name = self.checked_record(key, data)
+        dir_fd = self._open_dir()
+        try:
+            replace_file(dir_fd, name, [data], temp_prefix=name[:64], display=f"record {key!r}")
+        finally:
+            os.close(dir_fd)
+
+    def get_record(self, key: str) -> bytes:
+        name = self.record_name(key)
+        dir_fd = self._open_dir()
+        try:
+            fd, st = _open_regular(name, dir_fd)
+            try:
+                if st.st_size > MAX_RECORD_BYTES:
+                    raise CheckpointCorrupt(f"record {key!r} is {st.st_size} bytes, over {MAX_RECORD_BYTES}")
+                return os.pread(fd, st.st_size, 0)
+            finally:
+                os.close(fd)
+        except CheckpointNotFound:
+            raise CheckpointNotFound(f"no record {key!r}") from None
+        except OSError as e:
+            raise os_failure(CheckpointReadError, e, f"cannot read record {key!r}") from None
+        finally:
+            os.close(dir_fd)
+
+    def delete_record(self, key: str) -> bool:
+        dir_fd = self._open_dir()
+        try:
+            os.unlink(self.record_name(key), dir_fd=dir_fd)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise os_failure(CheckpointWriteError, e, f"cannot delete record {key!r}") from None
+        finally:
+            os.close(dir_fd)
 
     def delete(self, session_id: str) -> bool:
         """Remove ``session_id``'s saved files; return whether one existed. Live sessions are untouched.

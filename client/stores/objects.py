@@ -59,6 +59,7 @@ from muxworker.transport.messages import SaveFileReply
 from .binding import (
     DEFAULT_COMPACT_AFTER,
     MANIFEST_NAME,
+    MAX_RECORD_BYTES,
     SEGMENT_SUFFIX,
     SUFFIX,
     CleanResult,
@@ -503,6 +504,34 @@ class ObjectSessionStore(StoreBinding):
                 continue
             out.append(manifest_info(m, size))
         return sorted(out, key=lambda i: i.session_id)
+
+    def put_record(self, key: str, data: bytes) -> None:
+        self._put(self.checked_record(key, data), data, f"record {key!r}", "overwrite")
+
+    def get_record(self, key: str) -> bytes:
+        name = self.record_name(key)
+        try:
+            fd, _ = self._get_into_memfd(name, f"record {key!r}", MAX_RECORD_BYTES)
+        except CheckpointNotFound:
+            raise CheckpointNotFound(f"no record {key!r}") from None
+        try:
+            return _read_all(fd)
+        finally:
+            os.close(fd)
+
+    def delete_record(self, key: str) -> bool:
+        import obstore
+
+        name = self.record_name(key)
+        try:
+            obstore.head(self.store, name)
+        except Exception:
+            return False
+        try:
+            obstore.delete(self.store, name)
+        except Exception as exc:
+            raise self._failure(exc, f"deleting record {key!r}", CheckpointWriteError) from None
+        return True
 
     def delete(self, session_id: str) -> bool:
         """Remove ``session_id``'s manifest, then its segments; return whether one existed."""
