@@ -45,6 +45,7 @@ from muxworker.client import (
 )
 from muxworker.serve.app import AppConfig, create_app
 from muxworker.serve.metrics import ServerMetrics
+from muxworker.serve.openai_api import ServedModel
 from muxworker.serve.process import ServerProcess
 from muxworker.serve.tools import GENERIC, ToolFormat
 from muxworker.worker.models.loader import resolve_model
@@ -259,7 +260,7 @@ async def _server_alone() -> float:
     seen: list[float] = []
     observe = metrics.stream_overhead.observe
     metrics.stream_overhead.observe = lambda v: (seen.append(v), observe(v))  # type: ignore[method-assign]
-    app = create_app(_ScriptedService(), metrics, AppConfig("m"))  # type: ignore[arg-type]
+    app = create_app(_ScriptedService(), metrics, AppConfig(ServedModel(("m",))))  # type: ignore[arg-type]
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None

@@ -24,9 +24,11 @@ from muxworker.worker.models.loader import BUNDLED_GGUF_NAME, ModelLoadError, re
 from muxworker.worker.options import UsageError
 from muxworker.worker.spec import WorkerSpec
 
+from . import defaults
 from .app import AppConfig, create_app
 from .metrics import ServerMetrics
-from .options import RESERVED_WORKER_FLAGS, check_flags, http_policy, parser
+from .openai_api import ServedModel
+from .options import RESERVED_WORKER_FLAGS, check_flags, flag_defaults, http_policy, parser
 from .policy import HttpPolicy, startup_problem
 from .process import READY_PREFIX
 from .service import ModelService, SavePolicy, ServiceConfig
@@ -34,7 +36,9 @@ from .service import ModelService, SavePolicy, ServiceConfig
 log = logging.getLogger("muxworker.serve")
 
 
-async def _run(args: argparse.Namespace, spec: WorkerSpec, store: StoreBinding, policy: HttpPolicy) -> int:
+async def _run(
+    args: argparse.Namespace, spec: WorkerSpec, store: StoreBinding, policy: HttpPolicy, served: ServedModel
+) -> int:
     metrics = ServerMetrics()
     service = ModelService(
         spec,
@@ -46,6 +50,10 @@ async def _run(args: argparse.Namespace, spec: WorkerSpec, store: StoreBinding, 
             max_sessions_per_tenant=args.max_sessions_per_tenant,
             max_store_bytes_per_tenant=args.max_store_bytes_per_tenant,
             collect_interval_s=args.collect_interval,
+            max_queued_requests=args.max_queued_requests,
+            queue_timeout_s=args.queue_timeout,
+            implicit_store_bytes=args.implicit_store_bytes,
+            response_ttl_s=args.response_ttl,
         ),
     )
     stop = trio.Event()
@@ -55,12 +63,7 @@ async def _run(args: argparse.Namespace, spec: WorkerSpec, store: StoreBinding, 
         except WorkerStartupError as exc:
             log.error("the worker did not start: %s", exc)
             return 1
-        name = args.served_model_name or _default_name(args.model)
-        app = create_app(
-            service,
-            metrics,
-            AppConfig(name, policy=policy, internal_token=args.internal_token),
-        )
+        app = create_app(service, metrics, AppConfig(served, policy=policy, internal_token=args.internal_token))
         config = Config()
         config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
         config.graceful_timeout = args.graceful_timeout
@@ -95,7 +98,7 @@ async def _run(args: argparse.Namespace, spec: WorkerSpec, store: StoreBinding, 
 
             binds = await http.start(serve_until_stopped)
             # One line on stdout, for people and for scripts waiting for the port (tests parse it).
-            print(f"{READY_PREFIX} {name} on {' '.join(binds)}", flush=True)
+            print(f"{READY_PREFIX} {served.id} on {' '.join(binds)}", flush=True)
         # serve() has returned: the signal came and its connections have closed (graceful_timeout).
         log.info("shutting down: saving live sessions")
         with trio.CancelScope(shield=True):
@@ -112,7 +115,7 @@ def _run_ray(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"muxworker serve: --ray needs Ray Serve (pip install 'muxworker[serve]'): {exc}", file=sys.stderr)
         return 2
     server_args = _without(argv, {"--ray": 0, "--replicas": 1, "--ray-num-cpus": 1, "--host": 1, "--port": 1})
-    name = args.served_model_name or _default_name(args.model)
+    name = _names(args)[0]
 
     def ready(url: str) -> None:
         print(f"{READY_PREFIX} {name} on {url} ({args.replicas} replicas on Ray)", flush=True)
@@ -135,6 +138,17 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+def _names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The model's names: ``--served-model-name``'s (the first is its id), else its file's."""
+    return tuple(args.served_model_name or (_default_name(args.model),))
+
+
+def _request_defaults(args: argparse.Namespace, model_dir: Path) -> defaults.GenerationDefaults:
+    """What a request leaves out: the model's defaults (``--generation-config auto``), then the flags'."""
+    layers = defaults.model_defaults(model_dir) if args.generation_config == "auto" else []
+    return defaults.GenerationDefaults.resolve(*layers, ("flags", flag_defaults(args)))
 
 
 def _default_name(model: str | None) -> str:
@@ -193,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     except (MuxError, OSError, ValueError) as exc:
         print(f"muxworker serve: cannot use the session store: {exc}", file=sys.stderr)
         return 2
+    served = ServedModel(_names(args), _request_defaults(args, model_dir))
+    log.info("defaults of what a request leaves out: %s", served.defaults.describe())
     try:
-        return trio.run(_run, args, spec, store, policy)
+        return trio.run(_run, args, spec, store, policy, served)
     except KeyboardInterrupt:
         return 130
 

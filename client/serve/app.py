@@ -11,6 +11,7 @@ Owner: the server's trio thread (hypercorn's trio worker runs the app in the cli
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import logging
 import sys
@@ -36,17 +37,20 @@ from muxworker.client.runtime import RuntimeStream
 from muxworker.transport.checkpoint import CheckpointNotFound
 from muxworker.transport.errors import MuxError
 
+from . import defaults
 from . import openai_api as oa
 from . import responses as rs
+from . import responses_api as ra
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .policy import HttpPolicy
 from .service import ModelService, SavePolicy, session_object
-from .tenants import Tenant, internal_id
+from .tenants import IMPLICIT, RESPONSE, Tenant, internal_id
 from .tools import OutputParser
 
 __all__ = ["AppConfig", "SESSION_HEADER", "SAVE_ERROR_HEADER", "create_app", "read_body"]
 
 log = logging.getLogger("muxworker.serve")
+access_log = logging.getLogger("muxworker.serve.access")  # one line per request, at info
 
 SESSION_HEADER = "x-session-id"
 #: On a turn of a session whose last save failed: that failure (docs/SERVER.md, "Saving").
@@ -56,7 +60,7 @@ BODY_TIMEOUT_S = 30.0  # a request body dripping in slower than this holds no co
 
 @dataclass(frozen=True)
 class AppConfig:
-    served_model_name: str
+    model: oa.ServedModel  # its names (the first is the id /v1/models lists) and request defaults
     policy: HttpPolicy = field(default_factory=HttpPolicy)  # keys, Host, Origin, body limits
     internal_token: str | None = None  # enables GET /v1/internal/routing for this token alone (Ray replicas)
 
@@ -126,6 +130,72 @@ class _Refuse:
         await self.app(scope, receive, send_with_cors)
 
 
+@dataclass
+class _Usage:
+    """The tokens of a request's generations, for its access log line."""
+
+    prompt: int | None = None  # the first generation's (n > 1: every choice has the same prompt)
+    cached: int | None = None
+    completion: int = 0
+
+
+_USAGE: contextvars.ContextVar[_Usage | None] = contextvars.ContextVar("muxworker_request_usage", default=None)
+
+
+def note_usage(result: Any) -> None:
+    """Add a generation's tokens (a GenerationResult) to the access log line of the request whose
+    task (or a child task of it) calls this; a no-op outside a request."""
+    usage = _USAGE.get()
+    if usage is None:
+        return
+    if usage.prompt is None:
+        usage.prompt, usage.cached = result.prompt_tokens, result.reused_prompt_tokens
+    usage.completion += result.completion_tokens
+
+
+class _AccessLog:
+    """ASGI middleware: one info line per HTTP request when it is done, whoever answered it (a
+    refusal, an endpoint, a route not found): method, path, status, the tokens of its
+    generations (:func:`note_usage`) and milliseconds. 499: the client went away unanswered."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        usage = _Usage()
+        token = _USAGE.set(usage)
+        status = 499
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        except BaseException:
+            status = 500 if status == 499 else status
+            raise
+        finally:
+            _USAGE.reset(token)
+            tokens = ""
+            if usage.prompt is not None:
+                tokens = f" prompt={usage.prompt} cached={usage.cached} completion={usage.completion}"
+            ms = (time.perf_counter() - t0) * 1000
+            access_log.info("%s %s %d%s %.0f ms", scope["method"], _printable(scope["path"]), status, tokens, ms)
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """``text`` for a log line: no control characters (a path is the client's), bounded."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def _endpoint(guard: _Guard, name: str, *, auth: bool = True) -> Callable:
     """Wrap a ``handler(request, tenant) -> Response`` with authentication, error mapping and metrics."""
 
@@ -170,14 +240,17 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 
 class _GenerationEndpoint:
-    """``POST /v1/chat/completions`` or ``/v1/completions``, as an ASGI app of its own."""
+    """``POST /v1/chat/completions``, ``/v1/completions`` or ``/v1/responses`` (``api``: chat,
+    completions or responses), as an ASGI app of its own. A Responses request is the chat turn it
+    means (responses_api.py), answered in its own shapes."""
 
-    def __init__(self, service: ModelService, guard: _Guard, config: AppConfig, chat: bool) -> None:
+    def __init__(self, service: ModelService, guard: _Guard, config: AppConfig, api: str) -> None:
         self.service = service
         self.guard = guard
         self.config = config
-        self.chat = chat
-        self.name = "chat_completions" if chat else "completions"
+        self.api = api
+        self.chat = api != "completions"  # rendered from chat messages
+        self.name = {"chat": "chat_completions", "completions": "completions", "responses": "responses"}[api]
         self.metrics = guard.metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -212,13 +285,17 @@ class _GenerationEndpoint:
                 headers={"Connection": "close"},
             )
         body = oa.parse_json(raw)
-        served = self.config.served_model_name
-        if self.chat:
-            parsed: oa.ChatRequest | oa.CompletionRequest = oa.parse_chat_request(
-                body, served, self.service.max_messages()
-            )
+        served = self.config.model
+        rq: ra.ResponsesRequest | None = None
+        if self.api == "responses":
+            rq = await self._parse_responses(tenant, body)
+            parsed: oa.ChatRequest | oa.CompletionRequest = rq.chat
+            parsed.ignored = tuple(rq.ignored)
+        elif self.chat:
+            parsed = oa.parse_chat_request(body, served, self.service.max_messages())
         else:
             parsed = oa.parse_completion_request(body, served)
+        self._note_ignored(parsed)
         header_sid = request.headers.get(SESSION_HEADER)
         if header_sid is not None:
             oa.check_session_id(header_sid, "the X-Session-Id header")
@@ -226,12 +303,12 @@ class _GenerationEndpoint:
                 raise oa.bad_request(
                     f"X-Session-Id {header_sid!r} and session_id {parsed.session_id!r} differ", param="session_id"
                 )
-        public_sid = header_sid or parsed.session_id
+        public_sid = header_sid or parsed.session_id or oa.cache_key_session(body.get("prompt_cache_key"))
         params, parser = parsed.params, OutputParser()
         try:
             if isinstance(parsed, oa.ChatRequest):
                 fmt = self.service.tool_format()
-                prompt: str | list[int] = await self.service.render_chat(parsed.messages, parsed.tools)
+                prompt: list[int] = await self._render(parsed, rq)
                 if parsed.tools is not None:
                     if parsed.tools.content_schema is not None and not fmt.accepts_content_schema:
                         raise oa.bad_request(
@@ -244,17 +321,27 @@ class _GenerationEndpoint:
                     constraint = fmt.constraint(parsed.tools)
                     if constraint is not None:
                         params = CheckedParams(params.session_id, {**params.fields, "constraint": constraint})
+            elif isinstance(parsed.prompt, str):
+                prompt = await self.service.encode(parsed.prompt)
             else:
                 prompt = parsed.prompt
-            if public_sid is not None:
-                await self.service.check_store_quota(tenant)
-                sid = internal_id(tenant, public_sid)
-                await self.service.ensure_session(sid, tenant)
-                runtime = None
-            else:
-                sid, runtime = await self.service.open_ephemeral(tenant)
+            await self.service.check_store_quota(tenant)
         except Exception as exc:
             raise oa.error_from_mux(exc) from None
+        units = parsed.n  # each choice runs on a session of its own
+        await self.service.admit(tenant, units)  # waits in the queue while no slot is free
+        try:
+            named = internal_id(tenant, public_sid) if public_sid is not None else None
+            kind = RESPONSE if rq is not None and rq.store else IMPLICIT  # a stored response's history stays
+            hint = rq.previous_session if rq is not None else None
+            plan = await self.service.place(tenant, prompt, named, kind, salt=parsed.cache_salt, hint=hint)
+        except BaseException as exc:
+            self.service.admission.release(units)
+            if isinstance(exc, Exception):
+                raise oa.error_from_mux(exc) from None
+            raise
+        sid = plan.target
+        params = self._fit_max_tokens(parsed, params, prompt)
         salt = tenant.cache_salt(parsed.cache_salt)
         extras: list[_Choice] = []
         cached: int | None = None
@@ -262,11 +349,13 @@ class _GenerationEndpoint:
             if parsed.n > 1:
                 cached, extras = await self._forks(tenant, sid, prompt, params, salt, parsed.n, parser)
             stream, runtime = self.service.generate(sid, prompt, params, salt)
-        except Exception as exc:
-            if runtime is not None:  # the stateless session opened for it
-                self.service.release_ephemeral(runtime, sid)
+        except BaseException as exc:
+            self.service.admission.release(units)
+            self.service.unplace(plan)
             self._release(extras)
-            raise oa.error_from_mux(exc) from None
+            if isinstance(exc, Exception):
+                raise oa.error_from_mux(exc) from None
+            raise
         turn = _Turn(self.service, runtime, sid, public_sid, stream, parser, extras, cached)
         self.metrics.in_flight.inc()
         try:
@@ -276,7 +365,9 @@ class _GenerationEndpoint:
                 streams = [stream] + [c.stream for c in extras if c.stream is not None]
                 nursery.start_soon(self._watch_disconnect, receive, streams)
                 try:
-                    if parsed.stream:
+                    if rq is not None:
+                        status = await self._respond(scope, receive, send, turn, rq, tenant, t0)
+                    elif parsed.stream:
                         status = await self._stream(send, turn, parsed, t0)
                     else:
                         status = await self._complete(scope, receive, send, turn, parsed, t0)
@@ -291,11 +382,8 @@ class _GenerationEndpoint:
             self.metrics.in_flight.dec()
             stream.cancel()  # a no-op once it has ended
             self._release(extras)
-            # Both wait behind the generation on the session's lease, in the background.
-            if public_sid is None:
-                self.service.release_ephemeral(runtime, sid)
-            else:
-                self.service.after_turn(runtime, sid, turn.result, saved=turn.saved)
+            # In the background, once the generation has settled: reuse, saves.
+            self.service.after_stream(runtime, sid, stream, saved=turn.saved, prompt=prompt, units=units)
 
     async def _forks(
         self,
@@ -322,7 +410,7 @@ class _GenerationEndpoint:
             for index in range(1, n):
                 fork, fork_runtime = await self.service.open_ephemeral(tenant)
                 extras.append(_Choice(index, fork, fork_runtime, None, parser.fresh()))
-                await fork_runtime.fork_session(sid, fork, prefill.prompt_tokens)
+                await self.service.fork(fork_runtime, sid, fork, prefill.prompt_tokens)
             for choice in extras:
                 fields = dict(params.fields)
                 if fields.get("seed") is not None:
@@ -362,6 +450,124 @@ class _GenerationEndpoint:
         rest = (result.logprobs or ())[choice.sent :]  # tokens no text chunk carried (a stop token)
         await out.send(out.writer.finish(result, session, rest, calls, choice.index))
 
+    # -- the Responses API (responses_api.py) ----------------------------------------------------------
+
+    async def _parse_responses(self, tenant: Tenant, body: dict[str, Any]) -> ra.ResponsesRequest:
+        previous = None
+        previous_id = body.get("previous_response_id")
+        if previous_id is not None:
+            previous = await self.service.load_response(tenant, previous_id)
+            if previous is None:
+                raise oa.bad_request(
+                    f"previous response {previous_id!r:.80} is not stored here (never stored, deleted or expired)",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        rq = ra.parse_responses_request(body, self.config.model, previous, self.service.max_messages())
+        rq.previous_session = previous["session"] if previous is not None else None
+        return rq
+
+    async def _render(self, parsed: oa.ChatRequest, rq: ra.ResponsesRequest | None) -> list[int]:
+        """The prompt of a chat turn; with Responses' ``truncation: auto``, the oldest messages
+        after the instructions are dropped until it fits the context, as OpenAI does."""
+        prompt = await self.service.render_chat(parsed.messages, parsed.tools)
+        room = self.service.max_model_len()
+        if rq is None or rq.truncation != "auto" or room is None:
+            return prompt
+        max_new = parsed.params.fields.get("max_new_tokens", -1)
+        room -= max(1, max_new if max_new > 0 else 1)
+        messages = list(parsed.messages)
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        while len(prompt) > room and len(messages) > first + 1:
+            del messages[first]
+            while len(messages) > first + 1 and messages[first]["role"] == "tool":  # no result without its call
+                del messages[first]
+            prompt = await self.service.render_chat(messages, parsed.tools)
+        return prompt
+
+    async def _respond(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        turn: _Turn,
+        rq: ra.ResponsesRequest,
+        tenant: Tenant,
+        t0: float,
+    ) -> int:
+        rid = ra.new_id("resp")
+        logprobs = self._logprobs(rq.chat)
+        if not rq.chat.stream:
+            try:
+                choice = await self._collect(_Choice(0, turn.sid, turn.runtime, turn.stream, turn.parser), t0)
+            except MuxError as exc:
+                raise oa.error_from_mux(exc) from None
+            self._account(choice.result)
+            if choice.result.finish_reason == "cancelled":
+                return 499
+            await turn.settle(choice.result)
+            entries = ra.logprob_entries(logprobs, choice.result.logprobs)
+            status = "incomplete" if choice.result.finish_reason == "length" else "completed"
+            output = ra.output_items(choice.text, choice.calls, choice.result, entries)
+            body = ra.response_object(rid, rq, time.time(), status=status, output=output, result=choice.result)
+            if rq.store:
+                await self.service.store_response(tenant, rid, ra.record(body, rq, turn.sid), turn.sid)
+            await _json(body, 200, turn.headers())(scope, receive, send)
+            return 200
+        stream, parser = turn.stream, turn.parser
+        iterator = stream.__aiter__()
+        try:  # the first delta (or the end) before the headers, so an admission error keeps its status
+            first: str | None = await iterator.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except MuxError as exc:
+            raise oa.error_from_mux(exc) from None
+        if first is None and (await stream.wait()).finish_reason == "cancelled":
+            return 499
+        if first is not None:
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+        writer = ra.EventWriter(rid, rq, logprobs)
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await _body(send, writer.start())
+        sent = 0
+
+        async def piece(text: str) -> None:
+            nonlocal sent
+            entries = stream.logprobs_from(sent)
+            content = parser.feed(text)
+            sent += len(entries)
+            out = writer.text(content, entries) if content or entries else b""
+            deltas = parser.pop_deltas()
+            await _body(send, out + (writer.calls(deltas) if deltas else b""))
+
+        overhead = self.metrics.stream_overhead
+        try:
+            if first is not None:
+                await piece(first)
+                async for text in stream:
+                    got = time.perf_counter()
+                    await piece(text)
+                    overhead.observe(time.perf_counter() - got)
+            result = await stream.wait()
+        except MuxError as exc:
+            await _body(send, writer.fail(oa.error_from_mux(exc)), more=False)
+            return 200
+        self._account(result)
+        if result.finish_reason == "cancelled":
+            return 499
+        await turn.settle(result)
+        rest, calls = parser.finish()
+        tail = writer.text(rest) if rest else b""
+        deltas = parser.pop_deltas()
+        tail += writer.calls(deltas) if deltas else b""
+        events, final = writer.finish(result, calls)
+        if rq.store:
+            await self.service.store_response(tenant, rid, ra.record(final, rq, turn.sid), turn.sid)
+        await _body(send, tail + events, more=False)
+        return 200
+
     def _logprobs(self, parsed: Any) -> rs.Logprobs | None:
         return rs.Logprobs(self.service.token_bytes, self.chat) if parsed.logprobs is not None else None
 
@@ -376,6 +582,7 @@ class _GenerationEndpoint:
                 return
 
     def _account(self, stream_result: Any) -> None:
+        note_usage(stream_result)  # the request's access log line
         self.metrics.prompt_tokens.inc(stream_result.prompt_tokens)
         self.metrics.cached_tokens.inc(stream_result.reused_prompt_tokens)
         self.metrics.completion_tokens.inc(stream_result.completion_tokens)
@@ -494,6 +701,21 @@ class _GenerationEndpoint:
         await _body(send, rs.DONE, more=False)
         return 200
 
+    def _note_ignored(self, parsed: oa.ChatRequest | oa.CompletionRequest) -> None:
+        """Unknown fields are ignored (as vLLM does), so a new SDK field breaks no client: logged
+        at debug and counted (``muxworker_unknown_fields_total``)."""
+        if parsed.ignored:
+            log.debug("%s: ignoring unknown fields %s", self.name, ", ".join(map(repr, parsed.ignored[:20])))
+            self.metrics.count_unknown_fields(parsed.ignored)
+
+    def _fit_max_tokens(self, parsed: Any, params: CheckedParams, prompt: str | list[int]) -> CheckedParams:
+        """A ``max_tokens`` the request left out is the default, cut to the room the rendered prompt
+        leaves (a request's own max_tokens beyond it is refused by the worker, as OpenAI does)."""
+        if not parsed.default_max_tokens:
+            return params
+        size = len(prompt) if isinstance(prompt, list) else None
+        return defaults.clamp(params, size, self.service.max_model_len())
+
 
 @dataclass
 class _Choice:
@@ -594,8 +816,15 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
     guard = _Guard(config, metrics)
     started = int(time.time())
 
-    def model_object() -> dict[str, Any]:
-        return {"id": config.served_model_name, "object": "model", "created": started, "owned_by": "muxworker"}
+    def model_object(name: str) -> dict[str, Any]:
+        # max_model_len: the context length (vLLM's field, which aider and others read)
+        return {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "muxworker",
+            "max_model_len": service.max_model_len(),
+        }
 
     @_endpoint(guard, "health", auth=False)
     async def health(request: Request, tenant: Tenant) -> Response:
@@ -622,15 +851,11 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
 
     @_endpoint(guard, "models")
     async def models(request: Request, tenant: Tenant) -> Response:
-        return _json({"object": "list", "data": [model_object()]})
+        return _json({"object": "list", "data": [model_object(config.model.id)]})
 
     @_endpoint(guard, "model")
     async def model(request: Request, tenant: Tenant) -> Response:
-        if request.path_params["model"] != config.served_model_name:
-            raise oa.APIError(
-                404, f"model {request.path_params['model']!r:.80} is not served here", code="model_not_found"
-            )
-        return _json(model_object())
+        return _json(model_object(config.model.named(request.path_params["model"])))
 
     @_endpoint(guard, "sessions")
     async def list_sessions(request: Request, tenant: Tenant) -> Response:
@@ -668,6 +893,29 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
             raise oa.APIError(404, f"no session {public!r}", code="session_not_found") from None
         return _json(session_object(tenant, sid, service.session_state(sid), info, service.record(sid)))
 
+    async def _stored(request: Request, tenant: Tenant) -> dict[str, Any]:
+        rid = request.path_params["response_id"]
+        doc = await service.load_response(tenant, rid)
+        if doc is None:
+            raise oa.APIError(404, f"no stored response {rid!r:.80}", code="response_not_found", param="response_id")
+        return doc
+
+    @_endpoint(guard, "response")
+    async def get_response(request: Request, tenant: Tenant) -> Response:
+        return _json((await _stored(request, tenant))["response"])
+
+    @_endpoint(guard, "response_delete")
+    async def delete_response(request: Request, tenant: Tenant) -> Response:
+        rid = request.path_params["response_id"]
+        if not await service.delete_response(tenant, rid):
+            raise oa.APIError(404, f"no stored response {rid!r:.80}", code="response_not_found", param="response_id")
+        return _json({"id": rid, "object": "response.deleted", "deleted": True})
+
+    @_endpoint(guard, "response_input_items")
+    async def response_input_items(request: Request, tenant: Tenant) -> Response:
+        items = (await _stored(request, tenant))["input_items"]
+        return _json(ra.item_page(items, request.query_params))
+
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
@@ -675,18 +923,36 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
         guard.count("unrouted", status)
         return _error_response(err)
 
+    chat = _GenerationEndpoint(service, guard, config, "chat")
+    completions = _GenerationEndpoint(service, guard, config, "completions")
+    responses_ep = _GenerationEndpoint(service, guard, config, "responses")
     routes = [
         Route("/health", health, methods=["GET"]),
         *([Route("/v1/internal/routing", routing, methods=["GET"])] if config.internal_token else []),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/v1/chat/completions", _GenerationEndpoint(service, guard, config, chat=True), methods=["POST"]),
-        Route("/v1/completions", _GenerationEndpoint(service, guard, config, chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses_ep, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
         Route("/v1/sessions", list_sessions, methods=["GET"]),
         Route("/v1/sessions/{session_id}", get_session, methods=["GET"]),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}/save", save_session, methods=["POST"]),
     ]
+    # Unversioned, as llama.cpp's server also serves them (clients given a base URL without /v1).
+    routes += [
+        Route("/models", models, methods=["GET"]),
+        Route("/models/{model:path}", model, methods=["GET"]),
+        Route("/chat/completions", chat, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
+        Route("/responses", responses_ep, methods=["POST"]),
+        Route("/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
+    ]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
-    return _Refuse(app, guard)
+    return _AccessLog(_Refuse(app, guard))

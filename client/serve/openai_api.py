@@ -11,6 +11,7 @@ here with :meth:`SamplingFields.validate` so a bad value is a 400 naming the fie
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -22,6 +23,7 @@ from muxworker.client.params import CheckedParams
 from muxworker.transport.errors import InvalidArgument, error_code_of
 from muxworker.transport.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
 
+from .defaults import GenerationDefaults
 from .tenants import TenantQuotaExceeded
 from .tools import TOOL_NAME, Tool, ToolCall, ToolRequest
 
@@ -30,6 +32,7 @@ __all__ = [
     "CompletionRequest",
     "ChatRequest",
     "SESSION_ID_PATTERN",
+    "ServedModel",
     "check_session_id",
     "error_from_mux",
     "parse_chat_request",
@@ -42,8 +45,8 @@ __all__ = [
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 MAX_CACHE_SALT_CHARS = 128  # the server prefixes the tenant; the wire bound is larger
 
-# Fields accepted and ignored: OpenAI clients and agent frameworks send them, and they change
-# nothing here (``user`` and ``metadata`` are labels; ``store`` is OpenAI's own log).
+# Fields known and ignored (docs/SERVER.md lists them): OpenAI clients and agent frameworks send
+# them, and they change nothing here (``user`` and ``metadata`` are labels; ``store`` is OpenAI's own log).
 # ``prompt_cache_key`` and ``safety_identifier`` are OpenAI's routing and abuse hints (reuse here is
 # the session's and the prefix cache's, scoped by tenant and cache_salt); ``reasoning_effort`` and
 # ``verbosity`` only steer reasoning models.
@@ -59,6 +62,8 @@ _IGNORED = frozenset(
         "verbosity",
     }
 )
+# Any other field the server does not know is ignored too, as vLLM does (a new SDK field must not
+# break a client), but named on the parsed request (``ignored``): the server logs and counts it.
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _COMMON = frozenset(
     {
@@ -114,6 +119,47 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """``value`` as the client wrote it (JSON), cut at ``limit`` characters with an ellipsis."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON (a caller's own value), or an int past str()'s limit
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model as requests name it: ``names[0]`` is the id ``/v1/models`` lists, and every name
+    (``--served-model-name`` takes aliases) is accepted in a request's ``model``; ``defaults``
+    fill what a request leaves out (client/serve/defaults.py)."""
+
+    names: tuple[str, ...]
+    defaults: GenerationDefaults = GenerationDefaults()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.names, tuple) or not self.names or not all(isinstance(n, str) and n for n in self.names):
+            raise ValueError(f"a served model needs at least one non-empty name, got {self.names!r}")
+
+    @property
+    def id(self) -> str:
+        return self.names[0]
+
+    def named(self, model: Any) -> str:
+        """The name a request gave (``None``: the id), as responses echo it; 404 for a name not served."""
+        if model is None:
+            return self.id
+        if model not in self.names:
+            raise APIError(
+                404,
+                f"the model {_show(model)} does not exist here; this server serves {_show(self.id)}"
+                + (f" (also named {', '.join(_show(n) for n in self.names[1:])})" if len(self.names) > 1 else ""),
+                code="model_not_found",
+                param="model",
+            )
+        return model
 
 
 #: Seconds a client is told to wait after a 429 or a 503 (Retry-After).
@@ -173,11 +219,29 @@ def check_session_id(value: Any, where: str = "session_id") -> str:
     if not isinstance(value, str) or not SESSION_ID_PATTERN.fullmatch(value):
         raise bad_request(
             f"{where} must be 1-128 characters of letters, digits and ._:@- starting with a letter or digit, "
-            f"got {value!r:.80}",
+            f"got {_show(value)}",
             param="session_id",
             code="invalid_session_id",
         )
     return value
+
+
+MAX_CACHE_KEY_CHARS = 1024
+
+
+def cache_key_session(key: Any) -> str | None:
+    """The session OpenAI's ``prompt_cache_key`` names, as X-Session-Id would (per tenant): the
+    key itself when it is a valid session id, else ``pck-`` and a hash of it (Codex sends a
+    thread's UUID, which is valid; any string is accepted)."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_CACHE_KEY_CHARS:
+        raise bad_request(
+            f"prompt_cache_key must be a string of 1-{MAX_CACHE_KEY_CHARS} characters", param="prompt_cache_key"
+        )
+    if SESSION_ID_PATTERN.fullmatch(key):
+        return key
+    return "pck-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 @dataclass
@@ -190,6 +254,10 @@ class _Common:
     cache_salt: str | None
     logprobs: int | None = None  # None: not asked; k: each token's logprob and its k most likely alternatives
     n: int = 1  # choices: the prompt prefilled once and forked (each also needs a free session slot)
+    # max_new_tokens is the server's default, not the request's: cut it to the room the rendered
+    # prompt leaves (defaults.clamp) rather than refuse the request
+    default_max_tokens: bool = False
+    ignored: tuple[str, ...] = ()  # unknown fields the request carried (ignored; the server logs and counts them)
 
 
 @dataclass
@@ -215,17 +283,21 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
-    extra = sorted(set(body) - known - _IGNORED)
-    if extra:
-        raise bad_request(f"unrecognized request argument(s): {', '.join(extra)}", param=extra[0], code="unknown_field")
+def _unknown(body: Mapping[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    """The fields of ``body`` the server does not know (sorted): ignored, as vLLM ignores them."""
+    return tuple(sorted(set(body) - known - _IGNORED))
 
 
-def _absent_or(body: Mapping[str, Any], name: str, *allowed: Any) -> None:
-    """``name`` may only be missing, null, or one of ``allowed`` (features not served here)."""
+def _absent_or(body: Mapping[str, Any], name: str, *allowed: Any, instead: str | None = None) -> None:
+    """``name`` may only be missing, null, or one of ``allowed`` (a feature not served here, whose
+    neutral values change nothing); the 400 says what to send (and ``instead``, what to use)."""
     value = body.get(name)
     if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
-        raise bad_request(f"{name}={value!r:.80} is not supported by this server", param=name, code="unsupported")
+        what = f"{name} is not supported by this server" + (f" (use {instead})" if instead else "")
+        send = " or ".join(json.dumps(a) for a in allowed)
+        raise bad_request(
+            f"{what}; leave it out" + (f" or send {send}" if send else ""), param=name, code="unsupported"
+        )
 
 
 def _number(body: Mapping[str, Any], name: str) -> float | None:
@@ -237,7 +309,7 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     except OverflowError:  # an integer beyond a float's range
         number = math.nan
     if not math.isfinite(number):
-        raise bad_request(f"{name} must be a finite number, got {value!r:.80}", param=name)
+        raise bad_request(f"{name} must be a finite number, got {_show(value)}", param=name)
     return number
 
 
@@ -246,7 +318,7 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {value!r:.80}", param=name)
+        raise bad_request(f"{name} must be an integer, got {_show(value)}", param=name)
     return value
 
 
@@ -254,7 +326,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """Chat's ``logprobs`` (bool) and ``top_logprobs`` (0-20, only with logprobs) as one top count."""
     asked = body.get("logprobs")
     if asked is not None and not isinstance(asked, bool):
-        raise bad_request(f"logprobs must be a boolean, got {asked!r:.80}", param="logprobs")
+        raise bad_request(f"logprobs must be a boolean, got {_show(asked)}", param="logprobs")
     top = _integer(body, "top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
@@ -264,24 +336,25 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 
 def _common(
-    body: Mapping[str, Any], served_model: str, max_tokens_field: str | None, logprobs: int | None = None
+    body: Mapping[str, Any],
+    served: ServedModel | str,
+    max_tokens_field: str | None,
+    logprobs: int | None = None,
+    ignored: tuple[str, ...] = (),
 ) -> _Common:
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise APIError(
-            400, f"model {model!r:.80} is not served here; this server serves {served_model!r}", code="model_not_found"
-        )
+    served = served if isinstance(served, ServedModel) else ServedModel((served,))
+    model = served.named(body.get("model"))
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise bad_request(f"stream must be a boolean, got {stream!r:.80}", param="stream")
+        raise bad_request(f"stream must be a boolean, got {_show(stream)}", param="stream")
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
             raise bad_request(
-                f"stream_options must be {{'include_usage': bool}}, got {options!r:.80}", "stream_options"
+                f"stream_options must be {{'include_usage': bool}}, got {_show(options)}", "stream_options"
             )
         if not stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
@@ -294,6 +367,9 @@ def _common(
         max_tokens = _integer(body, max_tokens_field)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    default_max = max_tokens is None and served.defaults.max_tokens is not None
+    if default_max:
+        max_tokens = served.defaults.max_tokens
     stop = body.get("stop")
     if stop is None:
         stop_list: list[str] = []
@@ -313,8 +389,8 @@ def _common(
         value = _integer(body, name) if name == "top_k" else _number(body, name)
         if value is not None:
             sampling[name] = value
-    # OpenAI's defaults: temperature 1 and top_p 1 (muxworker's own default is greedy).
-    sampling.setdefault("temperature", 1.0)
+    # The model's and the flags' defaults, then OpenAI's: temperature 1 (muxworker's own is greedy).
+    served.defaults.fill(sampling)
     fields = SamplingFields(
         max_new_tokens=-1 if max_tokens is None else max_tokens,
         seed=seed,
@@ -335,14 +411,14 @@ def _common(
         raise bad_request(f"cache_salt must be a string of 1-{MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise bad_request(f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
+        raise bad_request(f"ignore_eos must be a boolean, got {_show(ignore_eos)}", param="ignore_eos")
     # The sampling fields as SamplingFields checked them (one definition, transport/sampling.py);
     # stop_token_ids only for vLLM's ignore_eos (benchmarks: run to max_tokens past the end of turn).
     sampled = {name: getattr(fields, name) for name in SAMPLING_FIELD_NAMES if name != "stop_token_ids"}
     if ignore_eos:
         sampled["stop_token_ids"] = []
     params = CheckedParams("", sampled)
-    return _Common(served_model, stream, include_usage, params, session_id, salt, logprobs, n or 1)
+    return _Common(model, stream, include_usage, params, session_id, salt, logprobs, n or 1, default_max, ignored)
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -372,7 +448,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         return {"json_schema": schema}
     raise bad_request(
         "response_format must be {type: text}, {type: json_object} or {type: json_schema, json_schema: {...}}, "
-        f"got {value!r:.120}",
+        f"got {_show(value, 120)}",
         param="response_format",
     )
 
@@ -397,16 +473,19 @@ def _content_text(content: Any, index: int) -> str:
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages: int | None = None) -> ChatRequest:
-    """A ``POST /v1/chat/completions`` body; raises :class:`APIError` (400) naming the bad field.
-    ``max_messages``: more messages than the context can hold (each renders to at least one
-    token), refused before any is looked at."""
-    _unknown(body, _CHAT_FIELDS)
+def parse_chat_request(
+    body: Mapping[str, Any], served: ServedModel | str, max_messages: int | None = None
+) -> ChatRequest:
+    """A ``POST /v1/chat/completions`` body; raises :class:`APIError` (400) naming the bad field
+    (404 for a model not served). ``served``: the model (a bare name: no aliases, OpenAI's
+    defaults). ``max_messages``: more messages than the context can hold (each renders to at
+    least one token), refused before any is looked at."""
+    ignored = _unknown(body, _CHAT_FIELDS)
     _absent_or(body, "logit_bias", {})
-    _absent_or(body, "functions", [])
-    _absent_or(body, "function_call", "none", "auto")
+    _absent_or(body, "functions", [], instead="tools")
+    _absent_or(body, "function_call", "none", "auto", instead="tool_choice")
     _absent_or(body, "modalities", ["text"])
-    common = _common(body, served_model, "max_completion_tokens", _chat_logprobs(body))
+    common = _common(body, served, "max_completion_tokens", _chat_logprobs(body), ignored)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", param="messages")
@@ -434,7 +513,7 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str, max_messages:
         role = _ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise bad_request(
-                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {given!r:.40}",
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {_show(given, 40)}",
                 param="messages",
                 code="unsupported" if given == "function" else "invalid_value",
             )
@@ -460,7 +539,7 @@ def _tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request(f"parallel_tool_calls must be a boolean, got {parallel!r:.80}", param="parallel_tool_calls")
+        raise bad_request(f"parallel_tool_calls must be a boolean, got {_show(parallel)}", param="parallel_tool_calls")
     if raw is None or raw == []:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools", param="tool_choice")
@@ -491,11 +570,11 @@ def _tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
         fn = choice.get("function") if choice.get("type") == "function" else None
         function = fn.get("name") if isinstance(fn, dict) else None
         if function not in names:
-            raise bad_request(f"tool_choice names no given tool: {choice!r:.120}", param="tool_choice")
+            raise bad_request(f"tool_choice names no given tool: {_show(choice, 120)}", param="tool_choice")
         choice = "function"
     elif choice not in ("none", "auto", "required"):
         raise bad_request(
-            f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}, got {choice!r:.80}",
+            f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}, got {_show(choice)}",
             param="tool_choice",
         )
     return ToolRequest(tuple(tools), choice, function, True if parallel is None else parallel)
@@ -523,9 +602,9 @@ def _tool_calls(raw: Any, index: int) -> list[ToolCall]:
     return calls
 
 
-def parse_completion_request(body: Mapping[str, Any], served_model: str) -> CompletionRequest:
+def parse_completion_request(body: Mapping[str, Any], served: ServedModel | str) -> CompletionRequest:
     """A ``POST /v1/completions`` body (one prompt: a string or token ids)."""
-    _unknown(body, _COMPLETION_FIELDS)
+    ignored = _unknown(body, _COMPLETION_FIELDS)
     _absent_or(body, "echo", False)
     _absent_or(body, "suffix")
     _absent_or(body, "best_of", 1)
@@ -533,7 +612,7 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Comp
     top = _integer(body, "logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="logprobs")
-    common = _common(body, served_model, None, top)
+    common = _common(body, served, None, top, ignored)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

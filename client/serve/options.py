@@ -13,15 +13,27 @@ from collections.abc import Mapping
 
 from muxworker.chat import default_store_dir
 
+from . import defaults
 from .policy import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
-from .service import SavePolicy
+from .service import SavePolicy, ServiceConfig
 
-__all__ = ["ADMIN_KEY_ENV", "API_KEY_ENV", "RESERVED_WORKER_FLAGS", "check_flags", "http_policy", "parser"]
+__all__ = [
+    "ADMIN_KEY_ENV",
+    "API_KEY_ENV",
+    "RESERVED_WORKER_FLAGS",
+    "check_flags",
+    "flag_defaults",
+    "http_policy",
+    "parser",
+]
 
 API_KEY_ENV = "MUXWORKER_API_KEY"
 ADMIN_KEY_ENV = "MUXWORKER_ADMIN_KEY"
 # Flags the server sets on the worker itself (the pipes), so a user may not.
 RESERVED_WORKER_FLAGS = ("--control-fd", "--reply-fd", "--files-fd", "--heartbeat_ms", "--heartbeat-ms")
+
+
+_SERVICE = ServiceConfig()  # the one definition of the service's defaults
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,7 +97,37 @@ def parser() -> argparse.ArgumentParser:
         help="a web origin (https://app.example, or *) whose pages may call the server; repeatable. "
         "Other origins get 403",
     )
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model id clients send (default: the model's name); more names are aliases, also accepted "
+        "(/v1/models lists the first)",
+    )
+    p.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: the model's generation_config.json (or a GGUF's general.sampling.* metadata) sets the "
+        "defaults of what a request leaves out, before the --default-* flags; none: only the flags (default: auto)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=defaults.DEFAULT_MAX_TOKENS,
+        help="max_tokens of a request that sets none, cut to the room its prompt leaves in the context "
+        "(0: to the end of the context) (default: %(default)s)",
+    )
+    for name, kind in defaults.FIELDS.items():
+        if name != "max_tokens":
+            p.add_argument(
+                f"--default-{name.replace('_', '-')}",
+                type=kind,
+                default=None,
+                help=f"{name} of a request that sets none, where the model says nothing"
+                + (" (default: OpenAI's 1)" if name == "temperature" else ""),
+            )
     p.add_argument(
         "--save",
         choices=[p.value for p in SavePolicy],
@@ -122,7 +164,36 @@ def parser() -> argparse.ArgumentParser:
         "--max-concurrent-requests",
         type=int,
         default=None,
-        help="generations admitted at once; more get 429 (default: the worker's max_inflight_requests)",
+        help="generations run at once; more wait in the queue (default: the worker's max_sessions or "
+        "max_inflight_requests, whichever is lower)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=_SERVICE.max_queued_requests,
+        help="generations that may wait for a slot, served tenant by tenant in turn; more get 429 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=_SERVICE.queue_timeout_s,
+        help="seconds a generation may wait for a slot before a 429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--implicit-store-bytes",
+        type=int,
+        default=_SERVICE.implicit_store_bytes,
+        help="store bytes each tenant's implicit sessions (reuse for requests that name no session) may take; "
+        "the least recently used are deleted beyond it, and before the tenant's --max-store-bytes-per-tenant "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--response-ttl",
+        type=float,
+        default=_SERVICE.response_ttl_s,
+        help="seconds a stored response (/v1/responses) and its session are kept after their last use "
+        "(default: %(default)s, 30 days)",
     )
     p.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default: 30)"
@@ -160,12 +231,24 @@ def http_policy(args: argparse.Namespace, environ: Mapping[str, str] = os.enviro
     )
 
 
+def flag_defaults(args: argparse.Namespace) -> dict[str, int | float | None]:
+    """The request defaults the ``--default-*`` flags set (None: unset), by field name."""
+    out = {name: getattr(args, f"default_{name}") for name in defaults.FIELDS}
+    if out["max_tokens"] == 0:
+        out["max_tokens"] = None  # to the end of the context
+    return out
+
+
 def check_flags(args: argparse.Namespace) -> str | None:
     """What is wrong with the server's flags, found before the worker starts (which takes a while)."""
     if not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535, got {args.port}"
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         return f"--max-concurrent-requests must be at least 1, got {args.max_concurrent_requests}"
+    if args.max_queued_requests < 0 or not args.queue_timeout >= 0:
+        return "--max-queued-requests and --queue-timeout must be at least 0"
+    if args.implicit_store_bytes < 0 or not args.response_ttl > 0:
+        return "--implicit-store-bytes must be at least 0 and --response-ttl above 0"
     if args.max_request_bytes < 1024:
         return f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}"
     if not args.graceful_timeout >= 0:
@@ -182,6 +265,14 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--collect-interval must be >= 0, got {args.collect_interval}"
     if args.ray_num_cpus is not None and args.ray_num_cpus < 1:
         return f"--ray-num-cpus must be at least 1, got {args.ray_num_cpus}"
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        return "--served-model-name: a name must not be empty"
+    for name, value in flag_defaults(args).items():
+        try:
+            if value is not None:
+                defaults.check_value(name, value)
+        except ValueError as exc:
+            return f"--default-{name.replace('_', '-')}: {exc}"
     if args.port:
         try:
             family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -14,8 +14,10 @@ Owner: the server's trio thread; everything runs in one event loop with the trio
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,14 +35,17 @@ from muxworker.transport.errors import (
     InvalidArgument,
     NotReady,
     SessionExists,
+    SessionNotFound,
     Unsaveable,
     WorkerDiedError,
 )
 from muxworker.worker.models.tokenizer import ChatTemplateError, Tokenizer
 from muxworker.worker.spec import WorkerSpec
 
+from .admission import Admission
 from .metrics import ServerMetrics
-from .tenants import Tenant, TenantQuotaExceeded, _Usage
+from .reuse import Plan, ReuseIndex
+from .tenants import EPHEMERAL, IMPLICIT, NAMED, RESPONSE, Tenant, TenantQuotaExceeded, _Usage, session_kind
 from .tools import ToolFormat, ToolRequest, tool_format
 
 __all__ = [
@@ -74,6 +79,15 @@ class ServiceConfig:
     #: the age below which nothing is collected (a save in progress is younger). 0: never.
     collect_interval_s: float = 3600.0
     collect_older_than_s: float = 3600.0
+    #: Store bytes a tenant's implicit sessions (reuse for requests naming none) may take; the
+    #: least recently used go first beyond it, and before the tenant's store quota is reached.
+    implicit_store_bytes: int = 2 << 30
+    #: How long a stored response (/v1/responses) and its session are kept after its last use.
+    response_ttl_s: float = 30 * 86400.0
+    #: Generations beyond the free slots wait, fair between tenants, in a queue this long, at
+    #: most this many seconds, before a 429 (admission.py).
+    max_queued_requests: int = 128
+    queue_timeout_s: float = 60.0
 
 
 @dataclass
@@ -147,6 +161,9 @@ class ModelService:
         self._usage: dict[str, _Usage] | None = None  # per tenant, from a store listing (quotas only)
         self._usage_at = -math.inf
         self._message_tokens = 1  # the fewest tokens one chat message renders to (measured at start)
+        self.reuse = ReuseIndex()  # what a prompt naming no session may continue (reuse.py)
+        self.admission = Admission(None, config.max_queued_requests, config.queue_timeout_s)
+        self._indexed: set[str] = set()  # tenants whose stored sessions the index has listed since the start
         metrics.bind_sessions(lambda: self._runtime.session_stats if self._runtime is not None else {})
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -236,9 +253,8 @@ class ModelService:
             startup_timeout=self.config.startup_timeout_s,
         )
         try:
-            runtime = SessionRuntime(
-                client, max_concurrent_requests=self.config.max_concurrent_requests, evict_idle_to_store=True
-            )
+            # No capacity of its own: the admission queue bounds generations (admission.py).
+            runtime = SessionRuntime(client, evict_idle_to_store=True)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await client.close()
@@ -249,8 +265,13 @@ class ModelService:
                 self._message_tokens = _tokens_per_message(self._tokenizer)
             except Exception as exc:  # a template that cannot render empty messages: bound by count only
                 log.info("measuring a chat message's tokens: %s: %s", type(exc).__name__, exc)
+        if self._client is not None:  # a restart: what the dead worker held unsaved is gone with it
+            self.reuse, self._indexed = ReuseIndex(), set()
+        limits = client.info.limits if client.info is not None else {}
+        bounds = [self.config.max_concurrent_requests, limits.get("max_inflight_requests"), limits.get("max_sessions")]
+        self.admission.capacity = min((b for b in bounds if isinstance(b, int)), default=None)
         self._client, self._runtime = client, runtime
-        self._dirty.clear()  # what the dead worker held unsaved is gone with it
+        self._dirty.clear()
         self._ready.set()
         self.metrics.worker_up.set(1)
         self.last_error = None
@@ -378,13 +399,36 @@ class ModelService:
     def record(self, sid: str) -> SessionRecord | None:
         return self._records.get(sid)
 
-    def after_turn(self, runtime: SessionRuntime, sid: str, result: GenerationResult | None, *, saved: bool) -> None:
-        """A turn of ``sid`` settled on ``runtime`` (``result`` None: it failed): save it now (in
-        the background) or mark it for later; ``saved``: the turn's own synchronous save already
-        made it durable. A session this server opened whose first turn committed nothing is
-        closed, so a failed first request leaves nothing tracked. Nothing to do if that runtime is
-        gone with its worker (the new one resumes the session from what the store holds)."""
+    def after_turn(
+        self,
+        runtime: SessionRuntime,
+        sid: str,
+        result: GenerationResult | None,
+        *,
+        saved: bool,
+        prompt: list[int] | None = None,
+    ) -> None:
+        """A turn of ``sid`` settled on ``runtime`` (``result`` None: it failed; ``prompt``: its
+        token ids, for reuse): save it now (in the background) or mark it for later; ``saved``:
+        the turn's own synchronous save already made it durable. A session this server opened
+        whose first turn committed nothing is closed, so a failed first request leaves nothing
+        tracked. Nothing to do if that runtime is gone with its worker (the new one resumes the
+        session from what the store holds). Implicit sessions are a cache: saved when evicted
+        and at shutdown, not after every turn."""
         if runtime is not self._runtime:
+            return
+        self.reuse.note_turn(sid, prompt, result)
+        kind = session_kind(sid)
+        if kind != NAMED:
+            entry = self.reuse.get(sid)
+            if entry is None or entry.rows == 0:  # nothing to continue: it holds no slot for nothing
+                self.reuse.forget(sid)
+                self._spawn(self._close_quietly, runtime, sid)
+                return
+            self._dirty.add(sid)
+            if kind == RESPONSE and not saved and self.config.save_policy is not SavePolicy.EVICT:
+                self._spawn(self._save, runtime, sid)
+            self._spawn(self._bound_implicit, Tenant(sid.split("/", 1)[0]))
             return
         record = self._note_turn(sid, result)
         if record.created:
@@ -402,6 +446,208 @@ class ModelService:
         # it is saved in the background, as with --save turn.
         if self.config.save_policy is not SavePolicy.EVICT:
             self._spawn(self._save, runtime, sid)
+
+    async def admit(self, tenant: Tenant, units: int) -> None:
+        """Wait for ``units`` generation slots (admission.py); :meth:`after_stream` gives them back,
+        or the caller with ``self.admission.release`` when no generation started."""
+        waited = await self.admission.acquire(tenant.name, units)
+        self.metrics.queued.observe(waited)
+
+    def after_stream(
+        self, runtime: SessionRuntime, sid: str, stream: RuntimeStream, *, saved: bool, prompt: list[int], units: int
+    ) -> None:
+        """:meth:`after_turn` once ``stream``'s generation has settled (in the background: a
+        cancelled one settles after its response is gone), then give its ``units`` back."""
+
+        async def settle() -> None:
+            try:
+                result = await stream.settled()
+            finally:
+                self.admission.release(units)
+            self.after_turn(runtime, sid, result, saved=saved, prompt=prompt)
+
+        self._spawn(settle)
+
+    # -- stored responses (/v1/responses; responses_api.py) ------------------------------------------
+
+    @staticmethod
+    def _response_key(tenant: Tenant, rid: str) -> str:
+        return f"{tenant.prefix}response/{rid}"
+
+    async def load_response(self, tenant: Tenant, rid: Any) -> dict[str, Any] | None:
+        """The tenant's stored response ``rid`` (its record), or None: never stored, deleted,
+        expired (``response_ttl_s`` after it was created; then it is deleted now) or another
+        tenant's."""
+        if not isinstance(rid, str) or not _RESPONSE_ID.fullmatch(rid):
+            return None
+        try:
+            raw = await self._store_call(
+                trio.to_thread.run_sync(self.store.get_record, self._response_key(tenant, rid))
+            )
+        except CheckpointNotFound:
+            return None
+        doc = json.loads(raw)
+        if doc["created"] + self.config.response_ttl_s < time.time():
+            await self.delete_response(tenant, rid)
+            return None
+        return doc
+
+    async def store_response(self, tenant: Tenant, rid: str, data: bytes, session: str) -> None:
+        """Keep response ``rid`` (its record ``data``) with the session holding it."""
+        await self._store_call(trio.to_thread.run_sync(self.store.put_record, self._response_key(tenant, rid), data))
+        entry = self.reuse.get(session)
+        if entry is not None:
+            entry.responses.add(rid)
+
+    async def delete_response(self, tenant: Tenant, rid: Any) -> bool:
+        """Delete response ``rid``, and its session when that holds no other response this server
+        stored (a session of the index's kind RESPONSE; one it cannot tell about stays until
+        ``response_ttl_s`` after its last use)."""
+        if not isinstance(rid, str) or not _RESPONSE_ID.fullmatch(rid):
+            return False
+        key = self._response_key(tenant, rid)
+        try:
+            doc = json.loads(await self._store_call(trio.to_thread.run_sync(self.store.get_record, key)))
+        except CheckpointNotFound:
+            return False
+        await self._store_call(trio.to_thread.run_sync(self.store.delete_record, key))
+        session = doc.get("session")
+        entry = self.reuse.get(session) if isinstance(session, str) else None
+        if entry is not None and session_kind(session) == RESPONSE:
+            entry.responses.discard(rid)
+            if not entry.responses and not entry.busy:
+                await self.delete_session(session)
+        return True
+
+    # -- reuse without a session id (reuse.py) ---------------------------------------------------------
+
+    async def place(
+        self,
+        tenant: Tenant,
+        prompt: list[int],
+        named: str | None = None,
+        kind: str = IMPLICIT,
+        salt: str | None = None,
+        hint: str | None = None,
+    ) -> Plan:
+        """Where a turn with ``prompt`` runs, its reuse set up: on the named session ``named``
+        (internal id), or for a request naming none, on the tenant's session of ``kind`` that it
+        continues, or a new one with the shared rows copied in (reuse.py). The target is claimed
+        until :meth:`after_turn` (or :meth:`unplace`, when the turn never runs). Copying rows is
+        best effort: where it fails (the source's save is gone or damaged), the turn prefills.
+        ``salt``: the request's cache_salt; only histories of that salt are reused. ``hint``: a
+        session the prompt likely continues (a previous response's), read from the store now if
+        the index has not read it yet."""
+        _, runtime = self._live()
+        if hint is not None and hint.startswith(tenant.prefix):
+            await self._index_stored(tenant)
+            entry = self.reuse.get(hint)
+            if entry is None or entry.tokens is None:
+                try:
+                    tokens = await self._store_call(trio.to_thread.run_sync(self.store.saved_tokens, hint))
+                    self.reuse.add(hint)
+                    self.reuse.loaded(hint, tokens)
+                except Exception as exc:  # gone or unreadable: the prompt is matched against the rest
+                    log.info("reading %s for reuse: %s: %s", hint, type(exc).__name__, exc)
+        if named is not None:
+            await self.ensure_session(named, tenant)
+            plan = self.reuse.plan_named(tenant, named, prompt, salt)
+        else:
+            await self._index_stored(tenant)
+            plan = self.reuse.plan(tenant, prompt, kind, salt)
+        try:
+            if plan.branch is not None and named is not None:
+                branch = self.reuse.get(plan.branch)
+                if branch is not None and not await self._copy(runtime, named, plan.branch, branch.rows, fresh=True):
+                    self.reuse.forget(plan.branch)
+            if plan.fresh_target:
+                await runtime.open_session(plan.target)
+            if plan.source is not None:
+                await self._copy(runtime, plan.source, plan.target, plan.rows)
+        except BaseException:
+            self.unplace(plan)
+            raise
+        return plan
+
+    def unplace(self, plan: Plan) -> None:
+        """A placed turn did not run: release its target (a new one is closed)."""
+        self.reuse.release(plan.target)
+        runtime = self._runtime
+        if plan.fresh_target:
+            self.reuse.forget(plan.target)
+            if runtime is not None and runtime.session_state(plan.target) is not None:
+                self._spawn(self._close_quietly, runtime, plan.target)
+
+    async def fork(self, runtime: SessionRuntime, source: str, target: str, rows: int) -> None:
+        """Make live session ``target``'s history the first ``rows`` tokens of ``source``'s,
+        bringing ``source`` back from the store first (it may have been evicted to make room for
+        ``target``, or saved before a restart)."""
+        for attempt in range(2):
+            state = runtime.session_state(source)
+            if state is None:
+                await self._store_call(runtime.resume_session(source))
+            elif state == "evicted":
+                await self._store_call(runtime.bring_back(source))
+            try:
+                await runtime.fork_session(source, target, rows)
+                return
+            except SessionNotFound:
+                if attempt or runtime.session_state(source) is None:
+                    raise  # evicted again meanwhile, once more: the slots are that contended
+
+    async def _copy(self, runtime: SessionRuntime, source: str, target: str, rows: int, *, fresh: bool = False) -> bool:
+        """Copy ``source``'s first ``rows`` rows into ``target`` (opened first when ``fresh``),
+        bringing ``source`` back from the store first. Returns whether it did."""
+        try:
+            if fresh:
+                await runtime.open_session(target)
+            await self.fork(runtime, source, target, rows)
+        except (WorkerDiedError, ClientClosedError, NotReady):
+            raise
+        except Exception as exc:  # the source's save is gone, damaged or of another model: no reuse from it
+            log.info("reusing %d rows of %s for %s: %s: %s", rows, source, target, type(exc).__name__, exc)
+            if isinstance(exc, (CheckpointNotFound, SessionNotFound)):
+                self.reuse.forget(source)
+            if fresh and runtime.session_state(target) is not None:
+                self._spawn(self._close_quietly, runtime, target)
+            return False
+        self.metrics.reuse_copies.inc()
+        return True
+
+    async def _index_stored(self, tenant: Tenant) -> None:
+        """Once per worker start, per tenant: enter its implicit and response sessions that the
+        store holds (saved before a restart) into the reuse index, with the token histories of
+        the most recently used ones."""
+        if tenant.name in self._indexed:
+            return
+        self._indexed.add(tenant.name)
+        try:
+            await self._tenant_usage(tenant, fresh=True)
+            for entry in self.reuse.unloaded(tenant)[:_LOAD_AT_START]:
+                tokens = await self._store_call(trio.to_thread.run_sync(self.store.saved_tokens, entry.sid))
+                self.reuse.loaded(entry.sid, tokens)
+        except Exception as exc:  # reuse from the store is lost for now, nothing else
+            log.warning("listing the store for reuse: %s: %s", type(exc).__name__, exc)
+
+    async def _bound_implicit(self, tenant: Tenant) -> None:
+        """Delete the tenant's least recently used implicit sessions beyond their store bound,
+        and beyond what its store quota leaves after its named and response sessions."""
+        limit = self.config.implicit_store_bytes
+        quota = self.config.max_store_bytes_per_tenant
+        try:
+            await self._tenant_usage(tenant)
+            if quota is not None and self._usage is not None:
+                usage = self._usage.get(tenant.name, _Usage())
+                kept = usage.nbytes - self.reuse.implicit_bytes(tenant)
+                limit = min(limit, max(0, quota - kept))
+            for entry in self.reuse.over_bound(tenant, limit):
+                if entry.busy:
+                    continue
+                self.reuse.forget(entry.sid)  # before any await: no plan picks it meanwhile
+                await self.delete_session(entry.sid)
+                self.metrics.implicit_deletes.inc()
+        except Exception as exc:
+            log.warning("bounding implicit sessions of %s: %s: %s", tenant.name, type(exc).__name__, exc)
 
     def _note_turn(self, sid: str, result: GenerationResult | None) -> SessionRecord:
         record = self._records.setdefault(sid, SessionRecord())
@@ -485,7 +731,7 @@ class ModelService:
         runtime = self._runtime
         if runtime is not None:
             for sid in runtime.live_sessions():
-                if sid.startswith(tenant.prefix) and sid not in out and not sid[len(tenant.prefix) :].startswith("~"):
+                if sid.startswith(tenant.prefix) and sid not in out and session_kind(sid) != EPHEMERAL:
                     out[sid] = session_object(tenant, sid, "live", None, self._records.get(sid))
         return [out[k] for k in sorted(out)]
 
@@ -498,8 +744,11 @@ class ModelService:
             existed = True
         self._dirty.discard(sid)
         self._records.pop(sid, None)
+        self.reuse.forget(sid)
         if self._usage is not None:
-            self._usage.get(sid.split("/", 1)[0], _Usage()).sessions.pop(sid, None)
+            usage = self._usage.get(sid.split("/", 1)[0], _Usage())
+            usage.sessions.pop(sid, None)
+            usage.cached.pop(sid, None)
         return await self._store_call(trio.to_thread.run_sync(self.store.delete, sid)) or existed
 
     # -- the store: failures, quotas, collection ---------------------------------------------------
@@ -532,16 +781,31 @@ class ModelService:
             out["last_save_error"] = max(failing, key=lambda r: r.save_failed_at or 0).save_error
         return out
 
-    async def _tenant_usage(self, tenant: Tenant) -> _Usage:
-        """The tenant's named sessions and store bytes, from a store listing at most 30 s old
-        (listing reads every manifest, so quotas are checked against a recent one, not a live one)."""
-        if self._usage is None or trio.current_time() - self._usage_at > _USAGE_TTL_S:
+    async def _tenant_usage(self, tenant: Tenant, *, fresh: bool = False) -> _Usage:
+        """The tenant's sessions and store bytes, from a store listing at most 30 s old (listing
+        reads every manifest, so quotas and the implicit bound are checked against a recent one,
+        not a live one; ``fresh``: list now). A listing also tells the reuse index what the store
+        holds of each implicit and response session."""
+        if fresh or self._usage is None or trio.current_time() - self._usage_at > _USAGE_TTL_S:
             listing = await self._store_call(trio.to_thread.run_sync(self.store.list_info))
             usage: dict[str, _Usage] = {}
+            tokens = nbytes = 0
             for info in listing:
                 name, _, rest = info.session_id.partition("/")
-                if rest and not rest.startswith("~"):
+                kind = session_kind(info.session_id)
+                tokens, nbytes = tokens + info.tokens, nbytes + info.nbytes
+                if rest and kind == NAMED:
                     usage.setdefault(name, _Usage()).sessions[info.session_id] = info.nbytes
+                elif rest and kind in (IMPLICIT, RESPONSE):
+                    usage.setdefault(name, _Usage()).cached[info.session_id] = info.nbytes
+                    entry = self.reuse.get(info.session_id)
+                    if entry is None and name in self._indexed:
+                        entry = self.reuse.add(info.session_id, used=info.saved)
+                        entry.rows = info.tokens
+                    if entry is not None:
+                        entry.nbytes = info.nbytes
+            if tokens:
+                self.reuse.bytes_per_token = nbytes / tokens
             self._usage, self._usage_at = usage, trio.current_time()
         return self._usage.setdefault(tenant.name, _Usage())
 
@@ -586,12 +850,25 @@ class ModelService:
                 "bytes",
             )
 
+    async def _expire_responses(self) -> None:
+        """Delete the response sessions unused for ``response_ttl_s`` (their records expire as
+        they are read: client/serve/responses_api.py)."""
+        cutoff = time.time() - self.config.response_ttl_s
+        for info in await self._store_call(trio.to_thread.run_sync(self.store.list_info)):
+            entry = self.reuse.get(info.session_id)
+            if session_kind(info.session_id) == RESPONSE and info.saved < cutoff and not (entry and entry.busy):
+                await self.delete_session(info.session_id)
+
     async def _collect_loop(self) -> None:
         """Collect, now and then every ``collect_interval_s``, what no saved session names: the
         segments of saves a kill -9 cut short, blocks no session names any more. Only files older
         than ``collect_older_than_s`` go, and the store's collector keeps anything a manifest it
         cannot read might name."""
         while not self._stopping:
+            try:
+                await self._expire_responses()
+            except Exception as exc:
+                log.warning("expiring stored responses: %s: %s", type(exc).__name__, exc)
             try:
                 names, nbytes = await trio.to_thread.run_sync(
                     lambda: self.store.clean(older_than=self.config.collect_older_than_s)
@@ -610,6 +887,12 @@ class ModelService:
         """The bytes of token ``token_id`` (for logprobs), from the worker's own tokenizer."""
         assert self._tokenizer is not None  # loaded before the first worker is ready
         return self._tokenizer.token_bytes(token_id)
+
+    async def encode(self, text: str) -> list[int]:
+        """``text`` as the worker encodes a text prompt (no special tokens parsed), on a thread."""
+        tokenizer = self._tokenizer
+        assert tokenizer is not None  # loaded before the first worker is ready
+        return await trio.to_thread.run_sync(lambda: tokenizer.encode(text, parse_special=False))
 
     def max_messages(self) -> int | None:
         """The most chat messages a request may carry: more cannot fit the worker's context, as
@@ -654,8 +937,17 @@ class ModelService:
         _, runtime = self._live()
         return runtime.generate(sid, prompt, params.for_session(sid, cache_salt)), runtime
 
+    def max_model_len(self) -> int | None:
+        """The most tokens a session holds, prompt plus reply (the worker's ``max_session_tokens``,
+        reported as ``/v1/models``' ``max_model_len``); None while no worker is up."""
+        client = self._client
+        limit = client.info.limits.get("max_session_tokens") if client is not None and client.info else None
+        return limit if isinstance(limit, int) else None
+
 
 _USAGE_TTL_S = 30.0
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+_LOAD_AT_START = 32  # stored sessions per tenant whose histories the reuse index reads after a start
 
 
 def _tokens_per_message(tokenizer: Tokenizer) -> int:
@@ -677,7 +969,13 @@ def session_object(
 ) -> dict[str, Any]:
     """A session as ``/v1/sessions`` shows it: its state, what the store holds, and (for sessions
     this server has served) its live length and the last save's failure."""
-    obj: dict[str, Any] = {"id": sid[len(tenant.prefix) :], "object": "session", "state": state or "stored"}
+    kind = {NAMED: "named", IMPLICIT: "implicit", RESPONSE: "response"}.get(session_kind(sid), "ephemeral")
+    obj: dict[str, Any] = {
+        "id": sid[len(tenant.prefix) :],
+        "object": "session",
+        "kind": kind,  # named: the client's; implicit: reuse for requests naming none; response: stored responses
+        "state": state or "stored",
+    }
     if info is not None:
         obj.update(saved_tokens=info.tokens, saved_bytes=info.nbytes, saved_at=math.floor(info.saved))
     if record is not None:

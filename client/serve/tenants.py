@@ -6,7 +6,25 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-__all__ = ["Tenant", "TenantQuotaExceeded", "internal_id"]
+__all__ = ["IMPLICIT", "RESPONSE", "Tenant", "TenantQuotaExceeded", "internal_id", "session_kind"]
+
+#: The server's own sessions start with "~", which no public id can (SESSION_ID_PATTERN):
+#: ``~i-<hex>`` reuse for requests naming no session (client/serve/reuse.py), ``~r-<hex>`` holds
+#: stored responses (/v1/responses), and ``~<hex>`` is one request's stateless session (a choice
+#: of n > 1), closed when it ends.
+IMPLICIT = "~i-"
+RESPONSE = "~r-"
+NAMED = "named"
+EPHEMERAL = "~"
+
+
+def session_kind(sid: str) -> str:
+    """IMPLICIT, RESPONSE, EPHEMERAL or NAMED, for an internal (``tenant/id``) or public id."""
+    rest = sid.split("/", 1)[-1]
+    for kind in (IMPLICIT, RESPONSE, EPHEMERAL):
+        if rest.startswith(kind):
+            return kind
+    return NAMED
 
 
 class TenantQuotaExceeded(Exception):
@@ -19,14 +37,16 @@ class TenantQuotaExceeded(Exception):
 
 @dataclass
 class _Usage:
-    """A tenant's named sessions and the store bytes of each, from a listing (see
-    ``ModelService._tenant_usage``) and this server's saves since."""
+    """A tenant's named sessions and the store bytes of each, and the bytes of its implicit and
+    response sessions, from a listing (see ``ModelService._tenant_usage``) and this server's saves
+    since."""
 
     sessions: dict[str, int] = field(default_factory=dict)  # internal id -> store bytes
+    cached: dict[str, int] = field(default_factory=dict)  # implicit and response sessions: id -> bytes
 
     @property
     def nbytes(self) -> int:
-        return sum(self.sessions.values())
+        return sum(self.sessions.values()) + sum(self.cached.values())
 
 
 @dataclass(frozen=True)

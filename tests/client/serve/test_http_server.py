@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -227,14 +228,12 @@ def test_n_choices_are_forks_of_one_prefill_streamed_with_their_index(server):
 def test_bad_requests_get_openai_errors(server):
     client = _client(server)
     cases = [
-        (dict(model="gpt-4", messages=QUESTION), "model_not_found"),
         (dict(model=server.model, messages=QUESTION, temperature=-1), "invalid_value"),
         (dict(model=server.model, messages=QUESTION, n=9), "invalid_value"),
         (dict(model=server.model, messages=[]), "invalid_value"),
         (dict(model=server.model, messages=[{"role": "tool", "content": "x"}]), "invalid_value"),  # no call id
         (dict(model=server.model, messages=[{"role": "function", "content": "x"}]), "unsupported"),
         (dict(model=server.model, messages=QUESTION, extra_body={"session_id": "../../etc"}), "invalid_session_id"),
-        (dict(model=server.model, messages=QUESTION, extra_body={"bogus": 1}), "unknown_field"),
         (dict(model=server.model, messages=[{"role": "user", "content": "hi " * 3000}]), "context_length_exceeded"),
     ]
     for kwargs, code in cases:
@@ -242,6 +241,9 @@ def test_bad_requests_get_openai_errors(server):
             client.chat.completions.create(**kwargs)
         assert info.value.status_code == 400 and info.value.code == code, (kwargs, info.value)
         assert info.value.message
+    with pytest.raises(openai.NotFoundError) as missing:  # OpenAI's answer to a model it does not serve
+        client.chat.completions.create(model="gpt-4", messages=QUESTION)
+    assert missing.value.code == "model_not_found"
     r = httpx.post(
         server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
@@ -352,37 +354,37 @@ def test_disconnect_cancels_the_generation(server):
         assert name in metrics, name
 
 
-def test_capacity_gives_429(tmp_path):
+def test_requests_beyond_the_slots_queue_then_get_429(tmp_path):
     args = ["--store", str(tmp_path / "store"), "--max-concurrent-requests", "1", "--max_sessions", "2"]
+    args += ["--max-queued-requests", "2", "--queue-timeout", "60"]
     with ServerProcess(args, log_path=tmp_path / "serve.log") as server:
         client = _client(server)
         long = client.chat.completions.create(
             model=server.model, messages=QUESTION, max_tokens=400, temperature=1, stream=True, seed=3
         )
-        next(iter(long))  # it runs and holds the only admission
-        with pytest.raises(openai.RateLimitError) as info:
-            client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=4)
-        assert info.value.status_code == 429 and info.value.response.headers["retry-after"] == "1"
-        long.close()
-        deadline = time.monotonic() + 30  # the cancel settles and the admission is free again
-        while _metric(server, "muxworker_http_requests_in_flight") > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        next(iter(long))  # it runs and holds the only slot
 
-        # Stateless requests refused under load leave no session behind in the worker's slots.
-        def stateless(_: int) -> int:
+        def ask(_: int) -> int:
             try:
                 client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2)
                 return 200
-            except openai.RateLimitError:
+            except openai.RateLimitError as exc:
+                assert exc.response.headers["retry-after"] == "1"
                 return 429
 
-        with ThreadPoolExecutor(8) as pool:
-            codes = list(pool.map(stateless, range(16)))
-        assert 200 in codes and 429 in codes, codes
-        deadline = time.monotonic() + 30
-        while _metric(server, 'muxworker_sessions{state="live"}') > 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _metric(server, 'muxworker_sessions{state="live"}') == 0
+        with ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(ask, i) for i in range(2)]
+            deadline = time.monotonic() + 30  # both are in the queue before the third asks
+            while _metric(server, "muxworker_http_requests_in_flight") < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            assert ask(2) == 429  # the queue holds two
+            long.close()  # the slot comes free: the queued two run
+            assert [w.result(timeout=60) for w in waiting] == [200, 200]
+        # A burst of 12 on one slot and a queue of two: those beyond are refused at once, the rest answered.
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(ask, range(12)))
+        assert codes.count(200) >= 3 and 429 in codes, codes  # the queue holds two; the rest are refused
         assert client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2).choices
 
 
@@ -516,3 +518,37 @@ def test_save_on_shutdown_only(tmp_path):
         threading.Thread(target=lambda: (server.stop(), stopped.set()), daemon=True).start()
         assert stopped.wait(120) and server.process.returncode == 0
     assert [i.session_id for i in SessionStore.inspect(store).list_info()] == ["local/s"]
+
+
+def test_what_agent_clients_send_to_a_model_with_defaults(tiny_llama_dir, tmp_path):
+    """A model whose generation_config.json says temperature 0, served under two names: a client
+    that sends no max_tokens (aider) gets a reply cut to the room its prompt leaves, not a context
+    error; an unknown field is accepted; the unversioned routes, an alias and /models'
+    max_model_len answer as llama.cpp's and vLLM's do; each request leaves an access log line."""
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    args = ["--model", str(model), "--store", str(tmp_path / "store"), "--served-model-name", "tiny", "agent-model"]
+    args += ["--max_session_tokens", "64", "--dtype", "float32"]
+    with ServerProcess(args, log_path=tmp_path / "serve.log") as server:
+        assert server.model == "tiny"
+        models = httpx.get(server.url + "/models").json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 64)]
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)  # no /v1
+        kw = {
+            "model": "agent-model",
+            "messages": [{"role": "user", "content": "hello"}],
+            "extra_body": {"audio": None, "ignore_eos": True},
+        }
+        first = client.chat.completions.create(**kw)
+        assert first.model == "agent-model" and first.choices[0].finish_reason == "length"
+        assert first.usage.prompt_tokens + first.usage.completion_tokens == 64
+        again = client.chat.completions.create(**kw)
+        assert again.choices[0].message.content == first.choices[0].message.content  # the model's temperature 0
+        with pytest.raises(openai.BadRequestError) as info:  # a max_tokens the request sets is its own
+            client.chat.completions.create(**kw, max_tokens=100)
+        assert info.value.code == "context_length_exceeded"
+    log = (tmp_path / "serve.log").read_text()
+    assert "temperature 0.0 (generation_config.json)" in log
+    assert log.count("muxworker.serve.access: POST /chat/completions 200 prompt=") == 2
+    assert "muxworker.serve.access: POST /chat/completions 400 " in log

@@ -23,6 +23,7 @@ from muxworker.client import (
     WorkerDiedError,
 )
 from muxworker.serve import openai_api as oa
+from muxworker.serve.defaults import GenerationDefaults
 from muxworker.serve.tenants import TenantQuotaExceeded
 from muxworker.transport.checkpoint.errors import CheckpointMalformed, os_failure
 from muxworker.transport.errors import ERRORS
@@ -92,7 +93,6 @@ def test_content_parts_developer_role_and_null_assistant_content():
 @pytest.mark.parametrize(
     "fields, code",
     [
-        ({"model": "other"}, "model_not_found"),
         ({"temperature": "hot"}, "invalid_value"),
         ({"temperature": -0.1}, "invalid_value"),
         ({"top_p": 0}, "invalid_value"),
@@ -128,7 +128,6 @@ def test_content_parts_developer_role_and_null_assistant_content():
         ({"session_id": "a/b"}, "invalid_session_id"),
         ({"session_id": "x" * 129}, "invalid_session_id"),
         ({"cache_salt": ""}, "invalid_value"),
-        ({"frobnicate": 1}, "unknown_field"),
         ({"messages": "hi"}, "invalid_value"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_value"),  # no tool_call_id
         (
@@ -145,6 +144,109 @@ def test_content_parts_developer_role_and_null_assistant_content():
 )
 def test_bad_chat_requests_are_400_naming_the_problem(fields, code):
     assert code_of({"model": MODEL, "messages": MESSAGES, **fields}) == code
+
+
+def test_unknown_fields_are_ignored_and_named():
+    """As vLLM does: a field a newer SDK sends (``audio: null``) breaks no client; the parsed
+    request names it, for the server's debug log and metric."""
+    r = chat(audio=None, frobnicate={"x": 1}, user="u", temperature=0.5)
+    assert r.ignored == ("audio", "frobnicate")  # user is a known field that changes nothing
+    assert r.params.fields == chat(temperature=0.5).params.fields
+    assert chat().ignored == ()
+    c = oa.parse_completion_request({"prompt": "hi", "audio": None}, MODEL)
+    assert c.ignored == ("audio",)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"logit_bias": {"50256": -100}}, "logit_bias is not supported by this server; leave it out or send {}"),
+        (
+            {"functions": [{"name": "f"}]},
+            "functions is not supported by this server (use tools); leave it out or send []",
+        ),
+        (
+            {"function_call": {"name": "f"}},
+            'function_call is not supported by this server (use tool_choice); leave it out or send "none" or "auto"',
+        ),
+        (
+            {"modalities": ["text", "audio"]},
+            'modalities is not supported by this server; leave it out or send ["text"]',
+        ),
+    ],
+)
+def test_unsupported_fields_say_what_to_do(body, message):
+    with pytest.raises(oa.APIError) as info:
+        chat(**body)
+    err = info.value
+    assert (err.status, err.code, err.param, err.message) == (400, "unsupported", next(iter(body)), message)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"echo": True}, "echo is not supported by this server; leave it out or send false"),
+        ({"suffix": "}"}, "suffix is not supported by this server; leave it out"),
+        ({"best_of": 3}, "best_of is not supported by this server; leave it out or send 1"),
+    ],
+)
+def test_unsupported_completion_fields_say_what_to_do(body, message):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_completion_request({"prompt": "hi", **body}, MODEL)
+    assert (info.value.code, info.value.message) == ("unsupported", message)
+    assert oa.parse_completion_request({"prompt": "hi", "echo": False, "best_of": 1, "suffix": None}, MODEL)
+
+
+def test_values_are_quoted_as_json_and_cut_with_an_ellipsis():
+    with pytest.raises(oa.APIError) as info:
+        chat(temperature="hot")
+    assert info.value.message == 'temperature must be a finite number, got "hot"'
+    with pytest.raises(oa.APIError) as info:
+        chat(stream=None, ignore_eos="x" * 500)
+    assert info.value.message.endswith('got "' + "x" * 76 + "...")
+
+
+def test_a_model_not_served_is_404_and_aliases_are_served():
+    served = oa.ServedModel(("qwen", "gpt-4o-mini", "default"))
+    for name in served.names:
+        r = oa.parse_chat_request({"model": name, "messages": MESSAGES}, served)
+        assert r.model == name  # echoed as the request named it
+    assert oa.parse_chat_request({"messages": MESSAGES}, served).model == "qwen"  # none given: the id
+    for parse, body in [
+        (oa.parse_chat_request, {"messages": MESSAGES}),
+        (oa.parse_completion_request, {"prompt": "x"}),
+    ]:
+        with pytest.raises(oa.APIError) as info:
+            parse({**body, "model": "gpt-5"}, served)
+        err = info.value
+        assert (err.status, err.code, err.param, err.type) == (404, "model_not_found", "model", "invalid_request_error")
+        assert (
+            err.message
+            == 'the model "gpt-5" does not exist here; this server serves "qwen" (also named "gpt-4o-mini", "default")'
+        )
+    with pytest.raises(ValueError):
+        oa.ServedModel(())
+
+
+def test_defaults_fill_what_a_request_leaves_out():
+    """The model's and the flags' defaults (client/serve/defaults.py) apply to the fields a
+    request leaves out; a field the request gives (null included as absent, as OpenAI reads it) wins."""
+    served = oa.ServedModel(("m",), GenerationDefaults(max_tokens=512, temperature=0.6, top_k=20, min_p=0.05))
+    r = oa.parse_chat_request({"messages": MESSAGES}, served)
+    p = r.params.fields
+    assert (p["max_new_tokens"], p["temperature"], p["top_k"], p["min_p"], p["top_p"]) == (512, 0.6, 20, 0.05, 1.0)
+    assert r.default_max_tokens  # the server cuts it to the room the prompt leaves
+    r = oa.parse_chat_request(
+        {"messages": MESSAGES, "max_completion_tokens": 7, "temperature": 0, "top_k": None, "min_p": 0}, served
+    )
+    p = r.params.fields
+    assert (p["max_new_tokens"], p["temperature"], p["top_k"], p["min_p"]) == (7, 0.0, 20, 0.0)
+    assert not r.default_max_tokens
+    c = oa.parse_completion_request({"prompt": "x"}, served)
+    assert c.params.fields["max_new_tokens"] == 512 and c.default_max_tokens
+    # Nobody said: OpenAI's temperature 1 and no limit but the context.
+    r = oa.parse_chat_request({"messages": MESSAGES}, oa.ServedModel(("m",)))
+    assert (r.params.fields["temperature"], r.params.fields["max_new_tokens"], r.default_max_tokens) == (1.0, -1, False)
 
 
 def test_completion_prompts():

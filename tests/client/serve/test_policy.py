@@ -8,13 +8,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import trio
+from helpers.serve_fakes import ScriptedService
 
-from muxworker.client.params import GenerationResult
 from muxworker.serve.app import AppConfig, create_app
 from muxworker.serve.metrics import ServerMetrics
+from muxworker.serve.openai_api import ServedModel
 from muxworker.serve.policy import HttpPolicy, startup_problem
-from muxworker.serve.service import ServiceConfig
-from muxworker.serve.tools import GENERIC, ToolFormat
 
 LOCAL = ("127.0.0.1", 8000)
 
@@ -88,70 +87,9 @@ def test_startup_refuses_an_open_bind_without_keys_or_names():
 # -- the app in-process -----------------------------------------------------------------------------
 
 
-class _Stream:
-    def __init__(self) -> None:
-        self.finished = False
-        self._left = ["Hello", " there"]
-
-    def __aiter__(self) -> _Stream:
-        return self
-
-    async def __anext__(self) -> str:
-        if not self._left:
-            self.finished = True
-            raise StopAsyncIteration
-        await trio.sleep(0)
-        return self._left.pop(0)
-
-    async def wait(self) -> GenerationResult:
-        return GenerationResult("stop", 3, 0, 3, 2, [5, 6], 0.0, 0.0, committed_tokens=2)
-
-    def cancel(self) -> None:
-        pass
-
-    def logprobs_from(self, start: int) -> list:
-        return []
-
-
-class _Service:
-    """The service's surface the generation endpoints use, with no worker: every generation
-    streams two words."""
-
-    ready, last_error = True, None
-    config = ServiceConfig()
-
-    def __init__(self) -> None:
-        self.generated = 0
-
-    def max_messages(self) -> int:
-        return 100
-
-    def store_health(self) -> dict:
-        return {"status": "ok"}
-
-    def record(self, sid: str) -> None:
-        return None
-
-    async def render_chat(self, messages: list, tools: object = None) -> list[int]:
-        return [1, 2, 3]
-
-    def tool_format(self) -> ToolFormat:
-        return GENERIC
-
-    async def open_ephemeral(self, tenant: object) -> tuple[str, None]:
-        return "local/~x", None
-
-    def generate(self, *args: object) -> tuple[_Stream, None]:
-        self.generated += 1
-        return _Stream(), None
-
-    def release_ephemeral(self, *args: object) -> None:
-        pass
-
-
-def _call(policy: HttpPolicy, method: str, path: str, **kw) -> tuple[httpx.Response, _Service]:
-    service = _Service()
-    app = create_app(service, ServerMetrics(), AppConfig("m", policy=policy))  # type: ignore[arg-type]
+def _call(policy: HttpPolicy, method: str, path: str, **kw) -> tuple[httpx.Response, ScriptedService]:
+    service = ScriptedService()
+    app = create_app(service, ServerMetrics(), AppConfig(ServedModel(("m",)), policy=policy))  # type: ignore[arg-type]
 
     async def main() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)  # scope["server"] is the URL's host and port

@@ -1,0 +1,170 @@
+"""The reuse index (client/serve/reuse.py) and the admission queue (admission.py), in-process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from muxworker.client.serve.admission import Admission
+from muxworker.client.serve.reuse import ReuseIndex, common_prefix
+from muxworker.client.serve.tenants import IMPLICIT, RESPONSE, Tenant, session_kind
+from muxworker.transport.errors import CapacityExhausted
+
+T = Tenant("t")
+
+
+def _result(generated, committed=None):
+    return SimpleNamespace(
+        generated_token_ids=list(generated),
+        committed_tokens=len(generated) if committed is None else committed,
+        reused_prompt_tokens=0,
+        prefilled_prompt_tokens=0,
+    )
+
+
+def _turn(index, plan, prompt, reply):
+    index.note_turn(plan.target, prompt, _result(reply))
+
+
+def test_common_prefix():
+    import numpy as np
+
+    a = np.array([1, 2, 3, 4], np.int32)
+    assert common_prefix(a, np.array([1, 2, 9], np.int32)) == 2
+    assert common_prefix(a, np.array([1, 2], np.int32)) == 2
+    assert common_prefix(a, np.array([], np.int32)) == 0
+
+
+def test_a_resent_history_continues_in_place_turn_after_turn():
+    index = ReuseIndex()
+    p1 = list(range(100))
+    first = index.plan(T, p1)
+    assert first.fresh_target and first.source is None and session_kind(first.target) == IMPLICIT
+    _turn(index, first, p1, [500, 501, 2])
+    # The next turn resends the history: the reply re-rendered (its stop token differs) and more.
+    p2 = p1 + [500, 501, 7, 8, 9]
+    second = index.plan(T, p2)
+    assert second.target == first.target and not second.fresh_target and second.reused == 102
+    _turn(index, second, p2, [600, 2])
+    entry = index.get(first.target)
+    assert entry.prompt_len == len(p2) and entry.rows == len(p2) + 1 and not entry.busy
+
+
+def test_a_divergent_prompt_forks_and_both_branches_stay_reusable():
+    index = ReuseIndex()
+    base = list(range(50))
+    a = index.plan(T, base + [1000, 1001])
+    _turn(index, a, base + [1000, 1001], [7, 2])
+    # Another request shares the first 50 tokens only: a branch, the first history kept.
+    b = index.plan(T, base + [2000])
+    assert b.fresh_target and b.source == a.target and b.rows == 50
+    _turn(index, b, base + [2000], [8, 2])
+    again = index.plan(T, base + [1000, 1001, 7, 2, 3])
+    assert again.target == a.target and again.reused == 53
+    index.release(again.target)
+    other = index.plan(T, base + [2000, 8, 2, 4])
+    assert other.target == b.target
+
+
+def test_a_busy_session_is_forked_not_shared():
+    index = ReuseIndex()
+    p = list(range(20))
+    a = index.plan(T, p)
+    _turn(index, a, p, [5, 2])
+    first = index.plan(T, p + [5, 2, 9])
+    second = index.plan(T, p + [5, 2, 9])  # the same conversation twice at once
+    assert first.target == a.target and second.fresh_target and second.source == a.target
+
+
+def test_response_sessions_are_only_forked_by_requests_of_another_kind():
+    index = ReuseIndex()
+    p = list(range(30))
+    r = index.plan(T, p, RESPONSE)
+    assert session_kind(r.target) == RESPONSE
+    _turn(index, r, p, [4, 2])
+    chat = index.plan(T, p + [4, 2, 5])
+    assert chat.fresh_target and chat.source == r.target and session_kind(chat.target) == IMPLICIT
+    index.release(chat.target)
+    cont = index.plan(T, p + [4, 2, 6], RESPONSE)
+    assert cont.target == r.target
+
+
+def test_tenants_never_see_each_other():
+    index = ReuseIndex()
+    p = list(range(30))
+    a = index.plan(T, p)
+    _turn(index, a, p, [1, 2])
+    other = index.plan(Tenant("u"), p + [1, 2, 3])
+    assert other.source is None and other.fresh_target
+
+
+def test_a_named_session_keeps_the_history_a_divergent_turn_overwrites():
+    index = ReuseIndex()
+    sid = "t/chat"
+    convo = list(range(40))
+    plan = index.plan_named(T, sid, convo)
+    assert plan.target == sid and plan.branch is None
+    _turn(index, plan, convo, [5, 2])
+    # aider's summarize request under the same header: shares the first 10 tokens.
+    summary = convo[:10] + [900, 901]
+    plan = index.plan_named(T, sid, summary)
+    assert plan.branch is not None and session_kind(plan.branch) == IMPLICIT
+    _turn(index, plan, summary, [3, 2])
+    # Back to the conversation: the branch holds it, and is copied into the named session.
+    back = index.plan_named(T, sid, convo + [5, 2, 77])
+    assert back.source == plan.branch and back.rows == 41 and back.branch is not None
+
+
+def test_failed_turn_and_bound():
+    index = ReuseIndex()
+    index.bytes_per_token = 10.0
+    plans = []
+    for i in range(4):
+        p = [1000 * (i + 1) + j for j in range(100)]
+        plans.append(index.plan(T, p))
+        _turn(index, plans[-1], p, [1, 2])
+    assert index.implicit_bytes(T) == 4 * 101 * 10
+    doomed = index.over_bound(T, 2 * 101 * 10)
+    assert [e.sid for e in doomed] == [plans[0].target, plans[1].target]  # least recently used first
+    index.note_turn(plans[3].target, [1], None)  # a failed turn empties the session
+    assert index.get(plans[3].target).rows == 0
+
+
+async def test_admission_queues_fairly_then_refuses():
+    adm = Admission(1, max_queue=3, max_wait_s=5)
+    order = []
+    await adm.acquire("a")
+
+    async def one(tenant, tag):
+        await adm.acquire(tenant)
+        order.append(tag)
+        await trio.sleep(0.01)
+        adm.release()
+
+    async with trio.open_nursery() as nursery:
+        for tag in ("a1", "a2"):
+            nursery.start_soon(one, "a", tag)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "b", "b1")
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(CapacityExhausted, match="queue holds 3"):
+            await adm.acquire("c")  # the queue is full
+        adm.release()
+    assert order == ["a1", "b1", "a2"]  # tenants in turn, not arrival order
+    assert adm.running == 0 and adm.waiting == 0
+
+
+async def test_admission_wait_bound_and_cancel_give_back():
+    adm = Admission(1, max_queue=8, max_wait_s=0.05)
+    await adm.acquire("a")
+    with pytest.raises(CapacityExhausted, match="within"):
+        await adm.acquire("b")
+    assert adm.waiting == 0
+    with trio.move_on_after(0.01):
+        await adm.acquire("b")
+    assert adm.waiting == 0 and adm.running == 1
+    adm.release()
+    assert await adm.acquire("b") == 0.0

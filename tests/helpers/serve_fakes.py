@@ -1,0 +1,124 @@
+"""A scripted stand-in for the HTTP server's ModelService, to drive the real ASGI app in-process
+(httpx's ASGI transport) or behind a real hypercorn socket, with no worker: every generation
+streams two words. What the app sends the service is recorded (``params``), so a test can check
+what a request turned into."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from muxworker.client.params import CheckedParams, GenerationResult
+from muxworker.serve.service import ServiceConfig
+from muxworker.serve.tools import GENERIC, ToolFormat
+
+WORDS = ["Hello", " there"]
+
+
+class ScriptedStream:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.finished = False
+        self.prompt_tokens = prompt_tokens
+        self._left = list(WORDS)
+
+    def __aiter__(self) -> ScriptedStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if not self._left:
+            self.finished = True
+            raise StopAsyncIteration
+        await trio.sleep(0)
+        return self._left.pop(0)
+
+    async def wait(self) -> GenerationResult:
+        n = self.prompt_tokens
+        return GenerationResult("stop", n, 1, n - 1, 2, [5, 6], 0.0, 0.0, committed_tokens=2)
+
+    def cancel(self) -> None:
+        pass
+
+    def logprobs_from(self, start: int) -> list:
+        return []
+
+
+@dataclass
+class _Plan:
+    target: str
+
+
+class _Admission:
+    def release(self, units: int) -> None:
+        pass
+
+
+@dataclass
+class ScriptedService:
+    """The service's surface the endpoints use."""
+
+    max_session_tokens: int | None = 100
+    prompt: list[int] = field(default_factory=lambda: [1, 2, 3])  # what every chat renders to
+    generated: int = 0
+    params: list[CheckedParams] = field(default_factory=list)  # of every generation, in order
+    ready: bool = True
+    last_error: str | None = None
+    config: ServiceConfig = field(default_factory=ServiceConfig)
+    admission: _Admission = field(default_factory=_Admission)
+
+    def max_messages(self) -> int:
+        return 100
+
+    def max_model_len(self) -> int | None:
+        return self.max_session_tokens
+
+    def store_health(self) -> dict:
+        return {"status": "ok"}
+
+    def record(self, sid: str) -> None:
+        return None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+    async def render_chat(self, messages: list, tools: object = None) -> list[int]:
+        return list(self.prompt)
+
+    async def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def tool_format(self) -> ToolFormat:
+        return GENERIC
+
+    async def check_store_quota(self, tenant: object) -> None:
+        pass
+
+    async def ensure_session(self, sid: str, tenant: object = None) -> bool:
+        return False
+
+    async def open_ephemeral(self, tenant: object) -> tuple[str, None]:
+        return "local/~x", None
+
+    def release_ephemeral(self, *args: object) -> None:
+        pass
+
+    async def admit(self, tenant: object, units: int) -> None:
+        pass
+
+    async def place(self, tenant: object, prompt: list[int], named: str | None = None, *args: Any, **kw: Any) -> _Plan:
+        return _Plan(named or "local/~x")
+
+    def unplace(self, plan: object) -> None:
+        pass
+
+    def after_stream(self, *args: object, **kw: object) -> None:
+        pass
+
+    def after_turn(self, *args: object, **kw: object) -> None:
+        pass
+
+    def generate(self, sid: str, prompt: Any, params: CheckedParams, salt: str) -> tuple[ScriptedStream, None]:
+        self.generated += 1
+        self.params.append(params)
+        return ScriptedStream(len(prompt)), None
