@@ -20,6 +20,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from muxworker.client.runtime import RuntimeStream, SessionRuntime
 from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
 from muxworker.transport.checkpoint import CheckpointNotFound
 from muxworker.transport.errors import (
+    CapacityExhausted,
     ClientClosedError,
     InvalidArgument,
     NotReady,
@@ -550,7 +552,7 @@ class ModelService:
                 except Exception as exc:  # gone or unreadable: the prompt is matched against the rest
                     log.info("reading %s for reuse: %s: %s", hint, type(exc).__name__, exc)
         if named is not None:
-            await self.ensure_session(named, tenant)
+            await self._room(lambda: self.ensure_session(named, tenant))
             plan = self.reuse.plan_named(tenant, named, prompt, salt)
         else:
             await self._index_stored(tenant)
@@ -561,13 +563,31 @@ class ModelService:
                 if branch is not None and not await self._copy(runtime, named, plan.branch, branch.rows, fresh=True):
                     self.reuse.forget(plan.branch)
             if plan.fresh_target:
-                await runtime.open_session(plan.target)
+                await self._room(lambda: runtime.open_session(plan.target))
+            elif runtime.session_state(plan.target) is None:  # saved before a restart: resume it
+                await self._room(lambda: self.ensure_session(plan.target))
             if plan.source is not None:
                 await self._copy(runtime, plan.source, plan.target, plan.rows)
         except BaseException:
             self.unplace(plan)
             raise
         return plan
+
+    async def _room(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()`` (an open or resume), tried again while no slot can be freed for it: the
+        admission queue bounds generations to the slots, so a slot is short only while the
+        sessions holding them have a save or close in flight, which ends soon; given up after
+        ``queue_timeout_s`` (CapacityExhausted, a 429)."""
+        deadline = trio.current_time() + self.config.queue_timeout_s
+        delay = 0.005
+        while True:
+            try:
+                return await call()
+            except CapacityExhausted:
+                if trio.current_time() + delay > deadline:
+                    raise
+                await trio.sleep(delay)
+                delay = min(0.25, delay * 2)
 
     def unplace(self, plan: Plan) -> None:
         """A placed turn did not run: release its target (a new one is closed)."""

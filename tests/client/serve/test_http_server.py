@@ -291,8 +291,8 @@ def test_session_reuses_its_history_and_is_saved(server):
 
 
 def test_sixteen_concurrent_streaming_clients(server):
-    # More clients than worker slots (6): sessions beyond them are evicted to the store and
-    # resumed; stateless requests beyond the slots are refused with 429, never hung.
+    # More clients than worker slots (6): the generations beyond them wait in the queue, and
+    # sessions beyond the slots are evicted to the store and resumed; none is refused or hung.
     client = _client(server)
 
     def run(i: int) -> tuple[str, str | None]:
@@ -311,9 +311,7 @@ def test_sixteen_concurrent_streaming_clients(server):
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(run, range(16)))
-    served = [text for text, err in results if err is None]
-    assert len(served) >= 6 and all(served), results
-    assert all(err is None or "capacity" in err for _, err in results)
+    assert all(err is None and text for text, err in results), results
     # Every session can continue afterwards, one at a time (evicted ones come back from the store).
     for i in range(16):
         text, err = run(i)
