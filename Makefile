@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 # The MLX backend: Metal on macOS, the CPU build on Linux (so it is built and tested here too).
 MLX_SPEC ?= $(if $(filter Darwin,$(shell uname -s)),mlx==0.32.4,mlx[cpu]==0.32.4)
 
-.PHONY: setup test test-fast lint demo bench bench-peer clean
+.PHONY: setup test test-fast lint demo bench bench-peer compat clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,7 +60,7 @@ bench: $(PY)
 # on 2 cores). AMX stays off: llama.cpp built with AMX segfaults on these VMs.
 PEER_VENV := .venv-peer
 PEER_PY   := $(PEER_VENV)/bin/python
-LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CPP_SPEC ?= llama-cpp-python[server]==0.3.36  # [server]: its OpenAI server, the peer of scripts/bench_agent.py
 PEER_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
 	-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 $(PEER_PY):
@@ -71,6 +71,16 @@ $(PEER_PY):
 
 bench-peer: $(PY) $(PEER_PY)
 	$(PY) scripts/bench_vs_llamacpp.py --peer-python $(PEER_PY)
+
+# OpenAI's Codex CLI against the server's /v1/responses (not part of `make test`; docs/SERVER.md,
+# "Codex CLI"): installed with npm into build/compat/ (git-ignored; rm it to change CODEX_SPEC).
+CODEX_SPEC ?= @openai/codex@0.171.0
+CODEX      := build/compat/node_modules/.bin/codex
+$(CODEX):
+	npm install --prefix build/compat --no-audit --no-fund --loglevel=error "$(CODEX_SPEC)"
+
+compat: $(PY) $(CODEX)
+	$(PY) scripts/compat_codex.py --codex $(CODEX)
 
 clean:
 	rm -rf build *.egg-info native/_crc32c*.so native/_crc32c*.c

@@ -63,6 +63,7 @@ _FIELDS = frozenset(
         "frequency_penalty",
         "stop",
         "cache_salt",
+        "ignore_eos",
     }
 )
 IGNORED = frozenset(
@@ -77,7 +78,7 @@ IGNORED = frozenset(
     }
 )
 _PASSED: tuple[str, ...] = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_PASSED += ("stop", "temperature", "top_p", "parallel_tool_calls", "cache_salt", "model", "stream")
+_PASSED += ("stop", "temperature", "top_p", "parallel_tool_calls", "cache_salt", "model", "stream", "ignore_eos")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: Chat field names in openai_api.py's errors, as a Responses client knows them.
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -100,6 +101,7 @@ class ResponsesRequest:
     truncation: str
     ignored: list[str] = field(default_factory=list)
     previous_session: str | None = None  # the session holding the previous response (a reuse hint)
+    namespaces: dict[str, str] = field(default_factory=dict)  # function name -> the namespace tool grouping it
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -164,6 +166,7 @@ def normalize_input(raw: Any) -> list[dict[str, Any]]:
                     "name": item["name"],
                     "arguments": item["arguments"],
                     "status": "completed",
+                    **({"namespace": item["namespace"]} if isinstance(item.get("namespace"), str) else {}),
                 }
             )
         elif kind == "function_call_output":
@@ -218,23 +221,29 @@ def chat_messages(instructions: str | None, items: Sequence[Mapping[str, Any]]) 
     return messages
 
 
-def _chat_tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
+def _chat_tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Chat tools, and {function name: namespace} of the functions a ``namespace`` tool groups
+    (Codex CLI sends one): the model sees them as functions; a call of one names its namespace."""
     if not isinstance(tools, list):
         raise oa.bad_request("tools must be a list", param="tools")
-    out = []
+    out, namespaces = [], {}
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise oa.bad_request(
-                f"tools[{i}] is of type {kind!r:.40}: only function tools are served here (no built-in tools)",
-                param="tools",
-                code="unsupported",
-            )
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+        members: list[tuple[str, Any, str | None]] = [(f"tools[{i}]", t, None)]
+        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+            members = [(f"tools[{i}].tools[{j}]", m, str(t.get("name"))) for j, m in enumerate(t["tools"])]
+        for where, m, namespace in members:
+            if not isinstance(m, dict) or m.get("type") != "function":
+                kind = m.get("type") if isinstance(m, dict) else None
+                raise oa.bad_request(
+                    f"{where} is of type {kind!r:.40}: only function tools are served here (no built-in tools)",
+                    param="tools",
+                    code="unsupported",
+                )
+            fn = {k: m[k] for k in ("name", "description", "parameters") if m.get(k) is not None}
+            out.append({"type": "function", "function": fn})
+            if namespace is not None and isinstance(m.get("name"), str):
+                namespaces[m["name"]] = namespace
+    return out, namespaces
 
 
 def _chat_tool_choice(choice: Any) -> Any:
@@ -302,8 +311,9 @@ def parse_responses_request(
     chat["messages"] = chat_messages(instructions, history)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    ns: dict[str, str] = {}
     if body.get("tools"):
-        chat["tools"] = _chat_tools(body["tools"])
+        chat["tools"], ns = _chat_tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     fmt = _response_format(body.get("text"))
@@ -318,7 +328,7 @@ def parse_responses_request(
         exc.param = _PARAMS.get(exc.param or "", exc.param)
         raise
     return ResponsesRequest(
-        parsed, dict(body), items, history, store, body.get("previous_response_id"), truncation, ignored
+        parsed, dict(body), items, history, store, body.get("previous_response_id"), truncation, ignored, namespaces=ns
     )
 
 
@@ -374,6 +384,8 @@ def response_object(
     """The response object: what the request set, echoed, and (once it ended) its output and usage."""
     body = request.body
     incomplete = status == "incomplete"
+    for item in output or []:
+        _name_namespace(item, request.namespaces)
     text: dict[str, Any] = body["text"] if isinstance(body.get("text"), dict) else {}
     return {
         "id": rid,
@@ -405,6 +417,12 @@ def response_object(
         "background": False,
         "service_tier": "default",
     }
+
+
+def _name_namespace(item: dict[str, Any], namespaces: Mapping[str, str]) -> None:
+    """A function call of a function a ``namespace`` tool grouped names that namespace."""
+    if item.get("type") == "function_call" and item.get("name") in namespaces:
+        item["namespace"] = namespaces[item["name"]]
 
 
 def _failure_code(error: oa.APIError) -> str:
@@ -492,6 +510,7 @@ class EventWriter:
             item = self._calls.get(d.index)
             if item is None:
                 item = _call_item(new_id("fc"), d.id or ToolCall.new_id(), d.name or "", "", "in_progress")
+                _name_namespace(item, self.request.namespaces)
                 self._calls[d.index] = item
                 self.output.append(item)
                 out += self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
@@ -532,6 +551,7 @@ class EventWriter:
                 out += self.calls([CallDelta(i, call.id, call.name, "")])
             item = self._calls[i]
             item.update(call_id=call.id, name=call.name, arguments=call.arguments, status="completed")
+            _name_namespace(item, self.request.namespaces)
             index = self.output.index(item)
             out += self._event(
                 "response.function_call_arguments.done",

@@ -1,6 +1,7 @@
 """The Responses API: request parsing, response objects and stream events against the openai
 SDK's own pydantic types (sans-I/O), then a real server with the SDK: create, stream,
-previous_response_id, a function tool round trip, and continuing after a restart."""
+previous_response_id, a function tool round trip, branches, and continuing after a restart (a
+stored response, and a chat that named no session)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,57 @@ def test_input_item_pages():
         ra.item_page(items, {"limit": "500"})
 
 
+FN = {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_a_namespace_tool_serves_its_functions_and_its_calls_name_it():
+    """Codex's default tools include a namespace of functions; its calls must name the namespace,
+    or Codex answers "unsupported call"."""
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "go"},
+            {"type": "function_call", "call_id": "c0", "name": "spawn_agent", "arguments": "{}", "namespace": "agents"},
+            {"type": "function_call_output", "call_id": "c0", "output": "ok"},
+        ],
+        "tools": [{"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [FN]}],
+        "stream": True,
+    }
+    rq = ra.parse_responses_request(body, SERVED, None)
+    assert rq.chat.tools is not None and [t.name for t in rq.chat.tools.tools] == ["spawn_agent"]
+    assert rq.namespaces == {"spawn_agent": "agents"} and rq.input_items[1]["namespace"] == "agents"
+    result = SimpleNamespace(
+        finish_reason="tool_calls", prompt_tokens=10, reused_prompt_tokens=0, completion_tokens=3, logprobs=None
+    )
+    call = ToolCall("call_1", "spawn_agent", "{}")
+    out = ra.output_items("", [call], result)
+    obj = ra.response_object("resp_1", rq, 0, output=out, result=result)
+    assert Response.model_validate(obj).output[0].namespace == "agents"
+    w = ra.EventWriter("resp_2", rq, None)
+    raw = w.start() + w.calls([CallDelta(0, "call_1", "spawn_agent", "{}")])
+    done, final = w.finish(result, [call])
+    events = [
+        EVENTS.validate_python(json.loads(line[6:]))
+        for line in (raw + done).decode().splitlines()
+        if line.startswith("data: ")
+    ]
+    items = [e.item for e in events if e.type in ("response.output_item.added", "response.output_item.done")]
+    assert [i.namespace for i in items] == ["agents", "agents"]
+    assert Response.model_validate(final).output[0].namespace == "agents"
+
+
+def test_a_namespace_tool_with_a_custom_tool_is_refused():
+    body = {
+        "model": "m",
+        "input": "x",
+        "tools": [
+            {"type": "namespace", "name": "n", "description": "d", "tools": [FN, {"type": "custom", "name": "p"}]}
+        ],
+    }
+    with pytest.raises(oa.APIError, match=r"tools\[0\].tools\[1\] is of type 'custom'"):
+        ra.parse_responses_request(body, SERVED, None)
+
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -218,8 +270,12 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
             temperature=0,
         )
         assert branch.usage.input_tokens_details.cached_tokens >= answered.usage.input_tokens
+        # A chat naming no session: the server keeps its history as an implicit session.
+        chat = [{"role": "user", "content": "Count to five."}]
+        said = c.chat.completions.create(model=server.model, messages=chat, max_tokens=12, temperature=0)
+        chat += [{"role": "assistant", "content": said.choices[0].message.content}]
         kinds = {s["kind"] for s in httpx.get(server.url + "/v1/sessions").json()["data"]}
-        assert kinds == {"response"}
+        assert kinds == {"response", "implicit"}
     with ServerProcess(["--store", store], log_path=tmp_path / "serve2.log") as server:
         c = client(server)
         after = c.responses.create(
@@ -238,6 +294,10 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
             ).usage.input_tokens_details.cached_tokens
             >= branch.usage.input_tokens
         )
+        # The chat that named no session continues too: its implicit session was saved at shutdown.
+        chat += [{"role": "user", "content": "Again."}]
+        again = c.chat.completions.create(model=server.model, messages=chat, max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens >= said.usage.prompt_tokens
         assert c.responses.delete(asked.id) is None
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(asked.id)
