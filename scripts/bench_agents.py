@@ -2,9 +2,10 @@
 generic tool format): the agent calls its Python function tool ``--turns`` times (tool_choice
 required), then answers (tool_choice none). Prints, per model call, the prompt and reply tokens and
 ``cached_tokens`` against the previous call's prompt plus reply: the requests carry no session
-id, so the reuse is the prefix cache's (``--prefix_cache_entries``), tool results included.
+id, so the reuse is the server's reuse without a session id (client/serve/reuse.py), tool results
+included.
 
-    python scripts/bench_agents.py [--turns 5] [--prefix-cache-entries 4]
+    python scripts/bench_agents.py [--turns 5] [--prefix-cache-entries 0]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from muxworker.serve.process import ServerProcess  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--prefix-cache-entries", type=int, default=4)
+    p.add_argument("--prefix-cache-entries", type=int, default=0)
     args = p.parse_args()
     agents.set_tracing_disabled(True)
     called: list[str] = []

@@ -47,9 +47,9 @@ MAX_CACHE_SALT_CHARS = 128  # the server prefixes the tenant; the wire bound is 
 
 # Fields known and ignored (docs/SERVER.md lists them): OpenAI clients and agent frameworks send
 # them, and they change nothing here (``user`` and ``metadata`` are labels; ``store`` is OpenAI's own log).
-# ``prompt_cache_key`` and ``safety_identifier`` are OpenAI's routing and abuse hints (reuse here is
-# the session's and the prefix cache's, scoped by tenant and cache_salt); ``reasoning_effort`` and
-# ``verbosity`` only steer reasoning models.
+# ``safety_identifier`` is OpenAI's abuse hint; ``reasoning_effort`` and ``verbosity`` only steer
+# reasoning models. ``prompt_cache_key`` is known but read by the app, not here: it names a session
+# (:func:`cache_key_session`).
 _IGNORED = frozenset(
     {
         "user",

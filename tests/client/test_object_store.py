@@ -35,8 +35,10 @@ from muxworker.client import (
     spawn_multiplexed_worker,
 )
 from muxworker.client.stores import StorePermissionError, StoreUnavailable
+from muxworker.client.stores.binding import MAX_RECORD_BYTES
 from muxworker.client.stores.objects import connect
 from muxworker.transport.checkpoint.file import write_checkpoint_segment
+from muxworker.transport.errors import InvalidArgument
 
 obstore = pytest.importorskip("obstore")
 from helpers.s3 import BUCKET, moto_server  # noqa: E402
@@ -349,3 +351,24 @@ async def test_refused_reads_are_unavailable_and_refused_writes_a_permission_err
         await trio.to_thread.run_sync(store.save, "s", make_checkpoint(9, seed=2))
     monkeypatch.setattr(obstore, "put", real_put)
     assert_same(await trio.to_thread.run_sync(store.load, "s"), make_checkpoint(8, seed=1))
+
+
+async def test_records_and_saved_tokens_on_every_backend(store_url, model_files):
+    """Records (a stored response's document) sit beside the sessions, untouched by clean(); a
+    save's token ids read back without its KV."""
+    store = await _open(store_url, model_files)
+    checkpoint = make_checkpoint(12, seed=3)
+    await trio.to_thread.run_sync(store.save, "t/s", checkpoint)
+    assert await trio.to_thread.run_sync(store.saved_tokens, "t/s") == checkpoint.token_ids.tolist()
+    await trio.to_thread.run_sync(store.put_record, "t/response/resp_1", b'{"a": 1}')
+    await trio.to_thread.run_sync(store.put_record, "t/response/resp_1", b'{"a": 2}')  # replaced whole
+    assert await trio.to_thread.run_sync(store.get_record, "t/response/resp_1") == b'{"a": 2}'
+    await trio.to_thread.run_sync(lambda: store.clean(older_than=0))
+    assert await trio.to_thread.run_sync(store.get_record, "t/response/resp_1") == b'{"a": 2}'
+    assert await trio.to_thread.run_sync(store.delete_record, "t/response/resp_1")
+    assert not await trio.to_thread.run_sync(store.delete_record, "t/response/resp_1")
+    with pytest.raises(CheckpointNotFound, match="no record"):
+        await trio.to_thread.run_sync(store.get_record, "t/response/resp_1")
+    with pytest.raises(InvalidArgument, match="at most"):
+        await trio.to_thread.run_sync(store.put_record, "t/big", b"x" * (MAX_RECORD_BYTES + 1))
+    assert [i.session_id for i in await trio.to_thread.run_sync(store.list_info)] == ["t/s"]

@@ -53,7 +53,7 @@ TOOLS = [
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-ARGS = ["--max_sessions", "4", "--max_session_tokens", "4096", "--prefix_cache_entries", "4"]
+ARGS = ["--max_sessions", "4", "--max_session_tokens", "4096"]
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +144,18 @@ def test_a_tool_conversation_is_a_session_reused_whole_after_a_restart(tmp_path)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"})
 
 
-def _run_agent(server: ServerProcess, agent: dict, question: str, max_turns: int, hooks: Any) -> Any:
+def _run_agent(server: ServerProcess, agent: dict, question: str, max_turns: int, hooks: Any, api: str = "chat") -> Any:
     """Run an Agents SDK agent (``agent``: its keyword arguments) on the server, greedy, tool_choice
-    required until ``hooks`` say otherwise; its client is closed in the run's own event loop."""
+    required until ``hooks`` say otherwise, over chat completions or (``api="responses"``) the SDK's
+    default Responses model; its client is closed in the run's own event loop."""
     import agents
 
     async def run() -> Any:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+            kind = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
             built = agents.Agent(
                 **agent,
-                model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+                model=kind(model=server.model, openai_client=client),
                 model_settings=agents.ModelSettings(temperature=0, tool_choice="required", max_tokens=96),
                 reset_tool_choice=False,
             )
@@ -162,7 +164,8 @@ def _run_agent(server: ServerProcess, agent: dict, question: str, max_turns: int
     return asyncio.run(run())
 
 
-def test_an_agents_sdk_agent_calls_its_function_and_answers(server):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_agents_sdk_agent_calls_its_function_and_answers(server, api):
     os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
@@ -182,11 +185,12 @@ def test_an_agents_sdk_agent_calls_its_function_and_answers(server):
                 agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
 
     agent = dict(name="weather", instructions="You answer questions about the weather.", tools=[get_weather])
-    result = _run_agent(server, agent, "What is the weather in Paris?", 8, AnswerAfter())
+    result = _run_agent(server, agent, "What is the weather in Paris?", 8, AnswerAfter(), api)
     assert len(called) == 5 and all(unit in ("celsius", "fahrenheit") for _, unit in called)
     assert isinstance(result.final_output, str) and result.final_output.strip()
-    # The stateless requests reuse the previous turn through the prefix cache: from turn 2 on, at
-    # least 90% of the previous prompt plus reply.
+    # The requests name no session and resend the whole history (the Responses model stores each
+    # response too): each continues the previous turn's session, from turn 2 on at least 90% of
+    # the previous prompt plus reply.
     usages = [r.usage for r in result.raw_responses]
     assert len(usages) == 6
     for before, after in zip(usages, usages[1:]):

@@ -345,7 +345,8 @@ def test_killing_the_replica_of_a_session_resumes_it_on_the_other_exactly(cluste
     assert second.headers[REPLICA_HEADER] == holder
     worker_pid = int(second.headers[WORKER_PID_HEADER])
     messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "Thanks!"}]
-    cold = chat(cluster, messages, None, max_tokens=12).json()  # stateless: prefilled from scratch
+    # Naming no session: prefilled from scratch (a named session's history is never reused by it).
+    cold = chat(cluster, messages, None, max_tokens=12).json()
 
     ray.kill(ray.get_actor(replica_actors()[holder], namespace="serve"), no_restart=True)
     killed = time.monotonic()
