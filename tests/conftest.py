@@ -31,3 +31,18 @@ def tiny_mistral_dir(tiny_model_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tiny_model_factory):
     return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' SmolLM2 (tokenizer, float32 model in eval mode) straight from the bundled GGUF:
+    the reference several modules compare against, loaded once (it takes about 14 s)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from muxworker.worker.models.loader import bundled_gguf_path
+
+    gguf = bundled_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return tok, model.eval()

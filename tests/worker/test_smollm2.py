@@ -9,20 +9,13 @@ from helpers.chats import CHATS
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
 from muxworker.worker.engine.sampling import SamplingParams
-from muxworker.worker.models.loader import bundled_gguf_path
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
-    import transformers
-
-    gguf = bundled_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
-    return tok, model
+def reference(smollm2_reference):
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")

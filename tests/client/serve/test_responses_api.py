@@ -298,6 +298,15 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
         chat += [{"role": "user", "content": "Again."}]
         again = c.chat.completions.create(model=server.model, messages=chat, max_tokens=4, temperature=0)
         assert again.usage.prompt_tokens_details.cached_tokens >= said.usage.prompt_tokens
+        # An input over the context: OpenAI's error, or with truncation "auto" the oldest items go.
+        long = "The quick brown fox jumps over the lazy dog near the river bank. " * 150
+        items = [{"role": "user", "content": long}, {"role": "assistant", "content": "Noted."}] * 2
+        items.append({"role": "user", "content": "How many foxes?"})
+        with pytest.raises(openai.BadRequestError) as info:
+            c.responses.create(model=server.model, input=items, store=False, max_output_tokens=4)
+        assert info.value.code == "context_length_exceeded"
+        cut = c.responses.create(model=server.model, input=items, store=False, max_output_tokens=4, truncation="auto")
+        assert cut.truncation == "auto" and 2000 < cut.usage.input_tokens < 4096 - 4
         assert c.responses.delete(asked.id) is None
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(asked.id)

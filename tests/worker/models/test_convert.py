@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main
 from muxworker.worker.models.gguf_tensors import unpermute_rotary_rows
-from muxworker.worker.models.loader import InvalidModelError, bundled_gguf_path, load_model_dir, load_state_dict
+from muxworker.worker.models.loader import InvalidModelError, load_model_dir, load_state_dict
 
 
 @pytest.fixture(scope="session")
@@ -30,13 +30,9 @@ def linked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_model():
+def reference_model(smollm2_reference):
     """transformers' model straight from the GGUF file."""
-    transformers = pytest.importorskip("transformers")
-    gguf_path = bundled_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    return smollm2_reference[1]
 
 
 # ------------------------------------------------------------------------------------------

@@ -53,11 +53,9 @@ def tokenizer(smollm_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def transformers_gguf_tokenizer():
+def transformers_gguf_tokenizer(smollm2_reference):
     """transformers' tokenizer built from the GGUF file itself."""
-    transformers = pytest.importorskip("transformers")
-    path = bundled_gguf_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return smollm2_reference[0]
 
 
 @pytest.fixture(scope="module")
