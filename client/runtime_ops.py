@@ -148,11 +148,13 @@ class RuntimeStream:
             pass
         return self._op.value
 
-    async def settled(self) -> RuntimeGenerationResult | None:
-        """Wait until the generation has settled, without reading its output; its result, or
-        None when it failed."""
+    async def settled(self) -> tuple[RuntimeGenerationResult | None, BaseException | None]:
+        """Wait until the generation has settled, without reading its output: (its result, None),
+        or (None, its error)."""
         await self._op.done.wait()
-        return self._op.value if self._op.error is None else None
+        if self._op.error is not None:
+            return None, self._op.error
+        return self._op.value, None
 
     def cancel(self) -> None:
         """Cancel this generation only (see the class docstring). Idempotent."""

@@ -485,6 +485,17 @@ class _GenerationEndpoint:
             prompt = await self.service.render_chat(messages, parsed.tools)
         return prompt
 
+    async def _store(
+        self, tenant: Tenant, rid: str, response: dict[str, Any], rq: ra.ResponsesRequest, sid: str
+    ) -> None:
+        """Keep the response; where the store fails (or the record is over its limit) it is answered
+        anyway, with ``store`` false: the turn happened, only its record is missing."""
+        try:
+            await self.service.store_response(tenant, rid, ra.record(response, rq, sid), sid)
+        except Exception as exc:
+            log.error("storing response %s failed: %s: %s", rid, type(exc).__name__, exc)
+            response["store"] = False
+
     async def _respond(
         self,
         scope: Scope,
@@ -511,7 +522,7 @@ class _GenerationEndpoint:
             output = ra.output_items(choice.text, choice.calls, choice.result, entries)
             body = ra.response_object(rid, rq, time.time(), status=status, output=output, result=choice.result)
             if rq.store:
-                await self.service.store_response(tenant, rid, ra.record(body, rq, turn.sid), turn.sid)
+                await self._store(tenant, rid, body, rq, turn.sid)
             await _json(body, 200, turn.headers())(scope, receive, send)
             return 200
         stream, parser = turn.stream, turn.parser
@@ -564,7 +575,7 @@ class _GenerationEndpoint:
         tail += writer.calls(deltas) if deltas else b""
         events, final = writer.finish(result, calls)
         if rq.store:
-            await self.service.store_response(tenant, rid, ra.record(final, rq, turn.sid), turn.sid)
+            await self._store(tenant, rid, final, rq, turn.sid)
         await _body(send, tail + events, more=False)
         return 200
 

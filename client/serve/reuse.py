@@ -47,8 +47,16 @@ MIN_GAIN = 16
 
 
 def salt_tag(salt: str | None) -> str:
-    """Eight hex digits naming a cache_salt (None: the tenant's default) in a session id."""
-    return hashlib.sha256((salt or "").encode()).hexdigest()[:8]
+    """32 hex digits (128 bits) naming a cache_salt (None: the tenant's default) in a session id:
+    the only thing that keeps one salt's histories from another's, so not one a tenant could
+    find a collision for."""
+    return hashlib.sha256((salt or "").encode()).hexdigest()[:32]
+
+
+def _tag_of(sid: str) -> str:
+    """The salt tag in an implicit or response session's id (``tenant/<kind><tag>-<random>``)."""
+    rest = sid.split("/", 1)[1]
+    return rest[3:].split("-", 1)[0]
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -72,7 +80,8 @@ class Entry:
     used: float = field(default_factory=time.time)
     nbytes: int = 0  # store bytes, as last listed
     busy: bool = False  # a generation runs on it (or a plan is being carried out)
-    responses: set[str] = field(default_factory=set)  # stored responses it holds (those this server stored)
+    #: Stored responses it holds, as this server stored them; None: unknown (listed after a restart).
+    responses: set[str] | None = field(default_factory=set)
 
     @property
     def kind(self) -> str:
@@ -117,6 +126,8 @@ class ReuseIndex:
         entry = tenant.get(sid)
         if entry is None:
             entry = tenant[sid] = Entry(sid, used=time.time() if used is None else used)
+            if used is not None:  # listed from the store: what else it holds is unknown
+                entry.responses = None
             while len(tenant) > self.max_entries:
                 oldest = next((e for e in tenant.values() if not e.busy), None)
                 if oldest is None:
@@ -139,7 +150,7 @@ class ReuseIndex:
         for entry in self.entries(tenant).values():
             if entry.tokens is None or entry.sid == exclude or entry.kind not in (IMPLICIT, RESPONSE):
                 continue
-            if entry.sid.split("/", 1)[1][3:11] != tag:  # another cache_salt's history
+            if _tag_of(entry.sid) != tag:  # another cache_salt's history
                 continue
             common = min(common_prefix(entry.tokens, ids), entry.rows)
             if common > best_common or (common == best_common and best is not None and entry.used > best.used):
@@ -178,9 +189,10 @@ class ReuseIndex:
         best, common = self._best(tenant, ids, salt, exclude=sid)
         entry = self.add(sid)
         self._claim(entry)
-        if branch is not None:
+        if branch is not None:  # claimed until the service has copied the history into it
             new = self.add(branch)
             new.tokens, new.rows, new.prompt_len = own.tokens, own.rows, own.prompt_len  # type: ignore[union-attr]
+            new.busy = True
         if best is not None and common >= own_common + MIN_GAIN:
             return Plan(sid, source=best.sid, rows=common, branch=branch, reused=common)
         return Plan(sid, branch=branch, reused=own_common)
@@ -195,14 +207,18 @@ class ReuseIndex:
         entry.used = time.time()
         self.entries(Tenant(entry.sid.split("/", 1)[0])).move_to_end(entry.sid)
 
-    def note_turn(self, sid: str, prompt: list[int] | None, result: Any) -> None:
+    def note_turn(self, sid: str, prompt: list[int] | None, result: Any, *, ran: bool = True) -> None:
         """A turn on ``sid`` settled: ``result`` its GenerationResult (None: it failed, and the
-        engine emptied the session's history), ``prompt`` its token ids (None: not known here)."""
+        engine emptied the session's history), ``prompt`` its token ids (None: not known here).
+        ``ran`` False: it never reached the engine's step (refused at submit, or cancelled while
+        queued), so the session's history is as it was."""
         entry = self.get(sid)
         if entry is None:
             return
         entry.busy = False
         entry.used = time.time()
+        if not ran:
+            return
         if result is None or prompt is None:  # failed (the engine emptied it), or its prompt is unknown here
             entry.tokens, entry.rows, entry.prompt_len = np.zeros(0, np.int32), 0, 0
             return

@@ -30,12 +30,15 @@ from muxworker.client.client import MultiplexedWorkerClient, spawn_multiplexed_w
 from muxworker.client.params import CheckedParams, GenerationResult
 from muxworker.client.runtime import RuntimeStream, SessionRuntime
 from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
-from muxworker.transport.checkpoint import CheckpointNotFound
+from muxworker.transport.checkpoint import CheckpointError, CheckpointNotFound
 from muxworker.transport.errors import (
     CapacityExhausted,
     ClientClosedError,
+    ConfigurationMismatch,
+    ContextOverflow,
     InvalidArgument,
     NotReady,
+    SessionBusy,
     SessionExists,
     SessionNotFound,
     Unsaveable,
@@ -409,6 +412,7 @@ class ModelService:
         *,
         saved: bool,
         prompt: list[int] | None = None,
+        ran: bool = True,
     ) -> None:
         """A turn of ``sid`` settled on ``runtime`` (``result`` None: it failed; ``prompt``: its
         token ids, for reuse): save it now (in the background) or mark it for later; ``saved``:
@@ -416,10 +420,11 @@ class ModelService:
         whose first turn committed nothing is closed, so a failed first request leaves nothing
         tracked. Nothing to do if that runtime is gone with its worker (the new one resumes the
         session from what the store holds). Implicit sessions are a cache: saved when evicted
-        and at shutdown, not after every turn."""
+        and at shutdown, not after every turn. ``ran`` False: the turn never reached the engine
+        (refused at submit, cancelled while queued): the session is as it was."""
         if runtime is not self._runtime:
             return
-        self.reuse.note_turn(sid, prompt, result)
+        self.reuse.note_turn(sid, prompt, result, ran=ran)
         kind = session_kind(sid)
         if kind != NAMED:
             entry = self.reuse.get(sid)
@@ -463,11 +468,15 @@ class ModelService:
 
         async def settle() -> None:
             try:
-                result = await stream.settled()
+                result, error = await stream.settled()
             finally:
                 self.admission.release(units)
-            self.after_turn(runtime, sid, result, saved=saved, prompt=prompt)
+            ran = not isinstance(error, _REFUSED_AT_SUBMIT) and not (result is not None and _never_sent(result))
+            self.after_turn(runtime, sid, result, saved=saved, prompt=prompt, ran=ran)
 
+        if self._nursery is None:  # not running (an in-process test): nothing settles later
+            self.admission.release(units)
+            return
         self._spawn(settle)
 
     # -- stored responses (/v1/responses; responses_api.py) ------------------------------------------
@@ -498,7 +507,7 @@ class ModelService:
         """Keep response ``rid`` (its record ``data``) with the session holding it."""
         await self._store_call(trio.to_thread.run_sync(self.store.put_record, self._response_key(tenant, rid), data))
         entry = self.reuse.get(session)
-        if entry is not None:
+        if entry is not None and entry.responses is not None:
             entry.responses.add(rid)
 
     async def delete_response(self, tenant: Tenant, rid: Any) -> bool:
@@ -515,7 +524,7 @@ class ModelService:
         await self._store_call(trio.to_thread.run_sync(self.store.delete_record, key))
         session = doc.get("session")
         entry = self.reuse.get(session) if isinstance(session, str) else None
-        if entry is not None and session_kind(session) == RESPONSE:
+        if entry is not None and entry.responses is not None and session_kind(session) == RESPONSE:
             entry.responses.discard(rid)
             if not entry.responses and not entry.busy:
                 await self.delete_session(session)
@@ -562,16 +571,39 @@ class ModelService:
                 branch = self.reuse.get(plan.branch)
                 if branch is not None and not await self._copy(runtime, named, plan.branch, branch.rows, fresh=True):
                     self.reuse.forget(plan.branch)
+                else:
+                    self.reuse.release(plan.branch)
             if plan.fresh_target:
                 await self._room(lambda: runtime.open_session(plan.target))
             elif runtime.session_state(plan.target) is None:  # saved before a restart: resume it
-                await self._room(lambda: self.ensure_session(plan.target))
+                plan = await self._resume_target(runtime, tenant, plan, kind, salt)
             if plan.source is not None:
                 await self._copy(runtime, plan.source, plan.target, plan.rows)
         except BaseException:
             self.unplace(plan)
             raise
         return plan
+
+    async def _resume_target(
+        self, runtime: SessionRuntime, tenant: Tenant, plan: Plan, kind: str, salt: str | None
+    ) -> Plan:
+        """Resume a plan's target saved before a restart; one that cannot be resumed (damaged, of
+        another model) is forgotten, and the turn runs on a fresh session instead: a request that
+        names no session must not fail for a cache entry it cannot delete."""
+        try:
+            await self._room(lambda: self.ensure_session(plan.target))
+            return plan
+        except (WorkerDiedError, ClientClosedError, NotReady, CapacityExhausted, StoreUnavailable):
+            raise
+        except Exception as exc:
+            log.warning(
+                "implicit session %s cannot be resumed (%s: %s); not reused", plan.target, type(exc).__name__, exc
+            )
+            self.reuse.forget(plan.target)
+            fresh = Plan(self.reuse.new_sid(tenant, kind, salt), fresh_target=True)
+            self.reuse.add(fresh.target).busy = True
+            await self._room(lambda: runtime.open_session(fresh.target))
+            return fresh
 
     async def _room(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """``call()`` (an open or resume), tried again while no slot can be freed for it: the
@@ -626,8 +658,8 @@ class ModelService:
             raise
         except Exception as exc:  # the source's save is gone, damaged or of another model: no reuse from it
             log.info("reusing %d rows of %s for %s: %s: %s", rows, source, target, type(exc).__name__, exc)
-            if isinstance(exc, (CheckpointNotFound, SessionNotFound)):
-                self.reuse.forget(source)
+            if isinstance(exc, (CheckpointError, ConfigurationMismatch, SessionNotFound)):
+                self.reuse.forget(source)  # gone, damaged or of another model: never a source again
             if fresh and runtime.session_state(target) is not None:
                 self._spawn(self._close_quietly, runtime, target)
             return False
@@ -838,7 +870,8 @@ class ModelService:
         if self._usage is None or "/" not in sid:
             return
         info = await trio.to_thread.run_sync(self.store.info, sid)
-        self._usage.setdefault(sid.split("/", 1)[0], _Usage()).sessions[sid] = info.nbytes
+        usage = self._usage.setdefault(sid.split("/", 1)[0], _Usage())
+        (usage.sessions if session_kind(sid) == NAMED else usage.cached)[sid] = info.nbytes
 
     async def _check_session_quota(self, tenant: Tenant, sid: str) -> None:
         limit = self.config.max_sessions_per_tenant
@@ -848,7 +881,7 @@ class ModelService:
         runtime = self._runtime
         live = set(runtime.live_sessions()) if runtime is not None else set()
         named = {s for s in live if s.startswith(tenant.prefix) and not s[len(tenant.prefix) :].startswith("~")}
-        count = len(usage.sessions.keys() | named)
+        count = len((usage.sessions.keys() | named) - {sid})
         if count >= limit:
             raise TenantQuotaExceeded(
                 f"this key already has {count} sessions, its limit is {limit}; DELETE /v1/sessions/{{id}} "
@@ -863,7 +896,9 @@ class ModelService:
         if limit is None:
             return
         usage = await self._tenant_usage(tenant)
-        if usage.nbytes >= limit:
+        # Implicit sessions are a cache the bound trims (_bound_implicit), never a refusal.
+        implicit = sum(n for sid, n in usage.cached.items() if session_kind(sid) == IMPLICIT)
+        if usage.nbytes - implicit >= limit:
             raise TenantQuotaExceeded(
                 f"this key's sessions take {usage.nbytes} bytes of the store, its limit is {limit}; "
                 "DELETE /v1/sessions/{id} the ones it no longer needs",
@@ -876,7 +911,13 @@ class ModelService:
         cutoff = time.time() - self.config.response_ttl_s
         for info in await self._store_call(trio.to_thread.run_sync(self.store.list_info)):
             entry = self.reuse.get(info.session_id)
-            if session_kind(info.session_id) == RESPONSE and info.saved < cutoff and not (entry and entry.busy):
+            recent = entry is not None and (entry.busy or entry.used >= cutoff)
+            if (
+                session_kind(info.session_id) == RESPONSE
+                and info.saved < cutoff
+                and not recent
+                and info.session_id not in self._dirty
+            ):
                 await self.delete_session(info.session_id)
 
     async def _collect_loop(self) -> None:
@@ -966,6 +1007,15 @@ class ModelService:
 
 
 _USAGE_TTL_S = 30.0
+#: Errors a generation meets before the engine runs it: its session is untouched.
+_REFUSED_AT_SUBMIT = (ContextOverflow, CapacityExhausted, InvalidArgument, SessionBusy)
+
+
+def _never_sent(result: GenerationResult) -> bool:
+    """A generation cancelled before it reached the worker (while queued behind its session)."""
+    return result.finish_reason == "cancelled" and not (result.prompt_tokens or result.committed_tokens)
+
+
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 _LOAD_AT_START = 32  # stored sessions per tenant whose histories the reuse index reads after a start
 

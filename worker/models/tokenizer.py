@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -117,6 +118,7 @@ class Tokenizer:
         chat_template: str | None = None,
     ) -> None:
         self.backend = backend
+        self._encode_lock = threading.Lock()  # the backend's special-token switch is tokenizer-wide
         tokenizer_config = dict(tokenizer_config or {})
         generation_config = dict(generation_config or {})
         model_config = dict(model_config or {})
@@ -201,12 +203,14 @@ class Tokenizer:
         their ids only with ``parse_special`` (a rendered chat template); otherwise they are
         tokenized as the characters they are, so text cannot forge a role turn. With
         add_special_tokens, BOS is added when the tokenizer is configured to add it."""
-        # The backend's switch is tokenizer-wide state; the engine thread is its only user.
-        self.backend.encode_special_tokens = not parse_special
-        try:
-            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        finally:
-            self.backend.encode_special_tokens = False
+        # The backend's switch is tokenizer-wide state: one encode at a time sets and resets it
+        # (the HTTP server renders chats and encodes text prompts on several threads at once).
+        with self._encode_lock:
+            self.backend.encode_special_tokens = not parse_special
+            try:
+                ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            finally:
+                self.backend.encode_special_tokens = False
         if (
             add_special_tokens
             and self.add_bos_token

@@ -92,6 +92,19 @@ def test_response_sessions_are_only_forked_by_requests_of_another_kind():
     assert cont.target == r.target
 
 
+def test_cache_salts_never_see_each_other_and_a_turn_that_never_ran_keeps_the_history():
+    index = ReuseIndex()
+    p = list(range(30))
+    a = index.plan(T, p, salt="alice")
+    _turn(index, a, p, [1, 2])
+    assert index.plan(T, p + [1, 2, 3], salt="bob").source is None  # another salt: fresh
+    again = index.plan(T, p + [1, 2, 3], salt="alice")
+    assert again.target == a.target
+    index.note_turn(again.target, p + [1, 2, 3], None, ran=False)  # refused at submit (too long, say)
+    entry = index.get(a.target)
+    assert entry.rows == 31 and not entry.busy
+
+
 def test_tenants_never_see_each_other():
     index = ReuseIndex()
     p = list(range(30))
