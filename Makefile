@@ -60,7 +60,8 @@ bench: $(PY)
 # on 2 cores). AMX stays off: llama.cpp built with AMX segfaults on these VMs.
 PEER_VENV := .venv-peer
 PEER_PY   := $(PEER_VENV)/bin/python
-LLAMA_CPP_SPEC ?= llama-cpp-python[server]==0.3.36  # [server]: its OpenAI server, the peer of scripts/bench_agent.py
+# [server]: llama.cpp's own OpenAI server, the peer of scripts/bench_agent.py.
+LLAMA_CPP_SPEC ?= llama-cpp-python[server]==0.3.36
 PEER_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
 	-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 $(PEER_PY):
