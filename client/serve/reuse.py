@@ -41,6 +41,9 @@ __all__ = ["Entry", "Plan", "ReuseIndex", "common_prefix"]
 #: Entries kept per tenant (matching a prompt compares it with each); the least recently used
 #: beyond it are forgotten (their sessions stay, as a cache the store bound removes).
 MAX_ENTRIES = 256
+#: A session read back from the store (its last prompt's length unknown) is continued in place by a
+#: prompt sharing this share of its history; one sharing less is a branch of it.
+RESTORED_SHARE = 0.9
 #: A branch must share this many more tokens than the named session's own history before it is
 #: copied into it (a copy of a few rows is not worth a round trip).
 MIN_GAIN = 16
@@ -237,11 +240,14 @@ class ReuseIndex:
             entry.busy = False
 
     def loaded(self, sid: str, tokens: list[int]) -> None:
-        """``sid``'s history as its save holds it (read after a restart)."""
+        """``sid``'s history as its save holds it (read after a restart). Its last prompt's
+        length is not saved: a prompt sharing RESTORED_SHARE of the history continues it (the
+        same conversation, its last reply re-rendered), less is another branch."""
         entry = self.get(sid)
         if entry is not None and entry.tokens is None:
             entry.tokens = np.asarray(tokens, dtype=np.int32)
-            entry.rows = entry.prompt_len = len(tokens)
+            entry.rows = len(tokens)
+            entry.prompt_len = int(len(tokens) * RESTORED_SHARE)
 
     def over_bound(self, tenant: Tenant, limit: int) -> list[Entry]:
         """The implicit sessions to delete, least recently used first, so that the tenant's

@@ -562,6 +562,7 @@ class ModelService:
                     log.info("reading %s for reuse: %s: %s", hint, type(exc).__name__, exc)
         if named is not None:
             await self._room(lambda: self.ensure_session(named, tenant))
+            await self._know_history(named)
             plan = self.reuse.plan_named(tenant, named, prompt, salt)
         else:
             await self._index_stored(tenant)
@@ -604,6 +605,21 @@ class ModelService:
             self.reuse.add(fresh.target).busy = True
             await self._room(lambda: runtime.open_session(fresh.target))
             return fresh
+
+    async def _know_history(self, named: str) -> None:
+        """Read a named session's saved history into the index when it has none (its turns ran
+        before a restart): so its first divergent turn here keeps what it would overwrite too."""
+        entry = self.reuse.get(named)
+        if entry is not None and entry.tokens is not None:
+            return
+        try:
+            tokens = await self._store_call(trio.to_thread.run_sync(self.store.saved_tokens, named))
+        except Exception as exc:  # never saved (a new session), or unreadable: nothing to protect
+            if not isinstance(exc, CheckpointNotFound):
+                log.info("reading %s's history for reuse: %s: %s", named, type(exc).__name__, exc)
+            return
+        self.reuse.add(named)
+        self.reuse.loaded(named, tokens)
 
     async def _room(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """``call()`` (an open or resume), tried again while no slot can be freed for it: the

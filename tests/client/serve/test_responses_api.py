@@ -204,6 +204,8 @@ def test_a_namespace_tool_with_a_custom_tool_is_refused():
         ra.parse_responses_request(body, SERVED, None)
 
 
+ASK_COUNT = {"role": "user", "content": "Count to five."}
+ASK_MORE = {"role": "user", "content": "Go on."}
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -274,8 +276,15 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
         chat = [{"role": "user", "content": "Count to five."}]
         said = c.chat.completions.create(model=server.model, messages=chat, max_tokens=12, temperature=0)
         chat += [{"role": "assistant", "content": said.choices[0].message.content}]
+        # A named session (aider's, say), whose first turn after the restart diverges.
+        named = [{"role": "system", "content": "You are a careful assistant. " * 12}, ASK_COUNT]
+        aider = {"X-Session-Id": "aider"}
+        first_named = c.chat.completions.create(
+            model=server.model, messages=named, max_tokens=12, temperature=0, extra_headers=aider
+        )
+        named += [{"role": "assistant", "content": first_named.choices[0].message.content}, ASK_MORE]
         kinds = {s["kind"] for s in httpx.get(server.url + "/v1/sessions").json()["data"]}
-        assert kinds == {"response", "implicit"}
+        assert kinds == {"response", "implicit", "named"}
     with ServerProcess(["--store", store], log_path=tmp_path / "serve2.log") as server:
         c = client(server)
         after = c.responses.create(
@@ -294,6 +303,12 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
             ).usage.input_tokens_details.cached_tokens
             >= branch.usage.input_tokens
         )
+        # aider's "summarize" under the same header, then back to the conversation: the history the
+        # summary overwrote was kept as a branch (read back from the store), so it is reused.
+        summary = [named[0], {"role": "user", "content": "Summarize our conversation."}]
+        c.chat.completions.create(model=server.model, messages=summary, max_tokens=4, extra_headers=aider)
+        back = c.chat.completions.create(model=server.model, messages=named, max_tokens=4, extra_headers=aider)
+        assert back.usage.prompt_tokens_details.cached_tokens >= first_named.usage.prompt_tokens
         # The chat that named no session continues too: its implicit session was saved at shutdown.
         chat += [{"role": "user", "content": "Again."}]
         again = c.chat.completions.create(model=server.model, messages=chat, max_tokens=4, temperature=0)

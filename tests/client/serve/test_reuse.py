@@ -131,6 +131,18 @@ def test_a_named_session_keeps_the_history_a_divergent_turn_overwrites():
     assert back.source == plan.branch and back.rows == 41 and back.branch is not None
 
 
+def test_a_history_read_back_after_a_restart_is_continued_or_branched_by_its_share():
+    index = ReuseIndex()
+    history = list(range(100))
+    index.add("t/chat")
+    index.loaded("t/chat", history)  # its last prompt's length is unknown
+    # The conversation goes on (its last reply re-rendered from token 95): continued in place.
+    assert index.plan_named(T, "t/chat", history[:95] + [7, 8]).branch is None
+    index.release("t/chat")
+    # A side request sharing the first 20 tokens: the history is kept as a branch first.
+    assert index.plan_named(T, "t/chat", history[:20] + [9]).branch is not None
+
+
 def test_failed_turn_and_bound():
     index = ReuseIndex()
     index.bytes_per_token = 10.0
