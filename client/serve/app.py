@@ -526,21 +526,11 @@ class _GenerationEndpoint:
             await _json(body, 200, turn.headers())(scope, receive, send)
             return 200
         stream, parser = turn.stream, turn.parser
-        iterator = stream.__aiter__()
-        try:  # the first delta (or the end) before the headers, so an admission error keeps its status
-            first: str | None = await iterator.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except MuxError as exc:
-            raise oa.error_from_mux(exc) from None
-        if first is None and (await stream.wait()).finish_reason == "cancelled":
+        gone, first = await self._first_delta(turn, t0)
+        if gone:
             return 499
-        if first is not None:
-            self.metrics.ttft.observe(time.perf_counter() - t0)
         writer = ra.EventWriter(rid, rq, logprobs)
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await _start_events(send, turn)
         await _body(send, writer.start())
         sent = 0
 
@@ -642,28 +632,33 @@ class _GenerationEndpoint:
         await _json(body, 200, turn.headers())(scope, receive, send)
         return 200
 
-    async def _stream(self, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
+    async def _first_delta(self, turn: _Turn, t0: float) -> tuple[bool, str | None]:
+        """A streamed turn's first delta (None: it ended without one), read before the headers so
+        that an error at admission or prefill (context overflow, capacity, a resume that fails)
+        still gets its own HTTP status; and whether the client went away before it (nobody to
+        answer: 499)."""
         stream = turn.stream
-        # The first delta (or the end) before the headers: an error at admission or prefill
-        # (context overflow, capacity, a resume that fails) still gets its own HTTP status.
-        iterator = stream.__aiter__()
         try:
-            first: str | None = await iterator.__anext__()
+            first: str | None = await stream.__aiter__().__anext__()
         except StopAsyncIteration:
             first = None
         except MuxError as exc:
             raise oa.error_from_mux(exc) from None
-        if first is None and (await stream.wait()).finish_reason == "cancelled":
-            return 499  # the client went away before the first token: nobody to answer
+        if first is None:
+            return (await stream.wait()).finish_reason == "cancelled", None
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+        return False, first
+
+    async def _stream(self, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
+        stream = turn.stream
+        gone, first = await self._first_delta(turn, t0)
+        if gone:
+            return 499
         now = time.perf_counter()
-        if first is not None:
-            self.metrics.ttft.observe(now - t0)
         writer = rs.ChunkWriter(
             rs.new_id("chatcmpl" if self.chat else "cmpl"), parsed.model, self.chat, self._logprobs(parsed)
         )
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await _start_events(send, turn)
         out = _Out(send, writer)
         main = _Choice(0, turn.sid, turn.runtime, stream, turn.parser)
         results: dict[int, Any] = {}
@@ -816,6 +811,13 @@ class _Turn:
 def _header_text(text: str) -> str:
     """``text`` as a header value: printable ASCII, bounded."""
     return "".join(c if " " <= c <= "~" else "?" for c in text)[:300]
+
+
+async def _start_events(send: Send, turn: _Turn) -> None:
+    """The headers of a server-sent event stream, with the turn's own (session, save error)."""
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in turn.headers().items()]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
 async def _body(send: Send, data: bytes, more: bool = True) -> None:
