@@ -84,4 +84,4 @@ compat: $(PY) $(CODEX)
 	$(PY) scripts/compat_codex.py --codex $(CODEX)
 
 clean:
-	rm -rf build *.egg-info native/_crc32c*.so native/_crc32c*.c
+	rm -rf build *.egg-info native/_native*.so native/_native*.c

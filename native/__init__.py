@@ -11,10 +11,28 @@ speed and with the GIL released.
 
 from __future__ import annotations
 
-from ._crc32c import ffi as _ffi
-from ._crc32c import lib as _lib
+from ._native import ffi as _ffi
+from ._native import lib as _lib
 
-__all__ = ["crc32c", "crc32c_software", "crc32c_implementation", "all_finite"]
+__all__ = [
+    "ISA_NAMES",
+    "QUANT_TYPES",
+    "all_finite",
+    "best_isa",
+    "crc32c",
+    "crc32c_implementation",
+    "crc32c_software",
+    "isa",
+    "qmatmul",
+    "quant_row_bytes",
+    "set_isa",
+    "set_threads",
+]
+
+#: GGML type name -> id, for the types quant.c multiplies in place.
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+ISA_NAMES = ("portable", "avx2", "avx512-vnni")
+MAX_ROWS = 16  # activation rows per product or forward call (MUX_MAX_M in quant.c)
 
 
 def _as_cdata(data: object):
@@ -78,3 +96,78 @@ def all_finite(array: object, *, bfloat16: bool = False) -> bool:
     if not a.size:
         return True
     return bool(_lib.mux_all_finite16(_ffi.from_buffer("uint16_t[]", a), a.size, mask))
+
+
+def quant_row_bytes(type_name: str, cols: int) -> int:
+    """Bytes of one row of ``cols`` values of a GGUF type quant.c multiplies; ValueError otherwise."""
+    if type_name not in QUANT_TYPES:
+        raise ValueError(f"no native product for GGUF type {type_name} (have {', '.join(QUANT_TYPES)})")
+    n = int(_lib.mux_q_row_bytes(QUANT_TYPES[type_name], cols))
+    if n < 0:
+        raise ValueError(f"{type_name} rows of {cols} values: not a whole number of blocks")
+    return n
+
+
+def set_threads(n: int) -> None:
+    """Threads the quantized products and the decode step use, the caller included."""
+    if _lib.mux_q_set_threads(int(n)) != 0:
+        raise ValueError(f"cannot run {n} native threads")
+
+
+def best_isa() -> int:
+    return int(_lib.mux_q_best_isa())
+
+
+def isa() -> int:
+    return int(_lib.mux_q_isa())
+
+
+def set_isa(level: int) -> None:
+    """Force an instruction set (0 portable, 1 AVX2, 2 AVX-512 VNNI; -1: the best this CPU has)."""
+    if _lib.mux_q_set_isa(int(level)) != 0:
+        raise ValueError(f"this CPU cannot run the {ISA_NAMES[level] if 0 <= level < 3 else level} kernels")
+
+
+def qweight(blocks, type_name: str, out_offset: int = 0, row_map=None):
+    """A ``mux_qweight`` over ``blocks`` (uint8 [rows, row_bytes], rows in its byte order); the
+    caller keeps ``blocks`` and ``row_map`` (int32 [rows]: output column of each row) alive."""
+    import numpy as np
+
+    if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.strides[1] != 1:
+        raise ValueError("weight blocks must be a uint8 [rows, row_bytes] array with contiguous rows")
+    w = _ffi.new("mux_qweight *")
+    w.data = _ffi.cast("const uint8_t *", _addr(blocks))
+    w.type = QUANT_TYPES[type_name]
+    w.rows = blocks.shape[0]
+    w.row_bytes = blocks.strides[0]
+    w.out_offset = out_offset
+    if row_map is not None:
+        if row_map.dtype != np.int32 or row_map.shape != (blocks.shape[0],) or not row_map.flags.c_contiguous:
+            raise ValueError("row_map must be a contiguous int32 array with one entry per row")
+        w.row_map = _ffi.cast("const int32_t *", _addr(row_map))
+    return w
+
+
+def _addr(a) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def qmatmul(blocks, type_name: str, x, row_map=None):
+    """``x @ W.T`` for float32 ``x`` [M, K] (M <= MAX_ROWS) and W in GGUF blocks [N, row_bytes]: x is
+    rounded to int8 per block of 32 first (the decode step's products; the tests' oracle is that
+    rounding times the gguf package's dequantized W). float32 [M, N]."""
+    import numpy as np
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
+    m, k = x.shape
+    if blocks.shape[1] < quant_row_bytes(type_name, k):
+        raise ValueError(f"{type_name} rows of {k} values need {quant_row_bytes(type_name, k)} bytes")
+    n = blocks.shape[0]
+    y = np.empty((m, n), dtype=np.float32)
+    w = qweight(blocks, type_name, row_map=row_map)
+    rc = _lib.mux_qmatmul(w, 1, k, _ffi.cast("const float *", _addr(x)), m, _ffi.cast("float *", _addr(y)), n)
+    if rc != 0:
+        raise ValueError(f"native product failed ({rc}) for {type_name} [{n}, {k}] x [{m}, {k}]")
+    return y

@@ -34,8 +34,9 @@ from muxworker.client import (
     WorkerInfo,
     spawn_multiplexed_worker,
 )
+from muxworker.native import QUANT_TYPES
 from muxworker.worker.models.defaults import DTYPE_CHOICES, WEIGHTS_CHOICES
-from muxworker.worker.models.gguf_tensors import INT4_TYPES, TENSOR_INDEX, GGUFTensorIndex
+from muxworker.worker.models.gguf_tensors import TENSOR_INDEX, GGUFTensorIndex
 from muxworker.worker.models.loader import load_model_dir, resolve_model
 from muxworker.worker.spec import WorkerSpec
 
@@ -124,13 +125,13 @@ def runs_as(info: WorkerInfo, model_dir: Path) -> str:
     head = f"weights {info.weights}, dtype {info.dtype}, {info.backend} on {info.device}"
     if info.weights == "quantized" and (model_dir / TENSOR_INDEX).is_file():
         types = {e.type for e in GGUFTensorIndex.open(model_dir).entries.values()}
-        four_bit = "/".join(t for t in INT4_TYPES if t in types)
-        if four_bit:
-            return f"{head}: its {four_bit} tensors stay 4-bit (int4 kernel)"
+        kept = "/".join(t for t in QUANT_TYPES if t in types)
+        if kept:
+            return f"{head}: its {kept} blocks decode in place (native step), prefill runs dense copies"
     if info.weights == "float":
         return f"{head}: every tensor in {info.dtype}"
     if info.weights in ("int4", "int8"):
-        return f"{head}: linear weights quantized to {info.weights} at load"
+        return f"{head}: linear weights quantized to {info.weights} blocks at load (native step)"
     return head
 
 

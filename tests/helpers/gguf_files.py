@@ -75,7 +75,7 @@ def write_tiny_gguf(
 
     `linear_type` (a GGML type name: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", ...) writes all seven
     linear weights of every block in that type (quantized by the gguf package; Q4_K, which it cannot
-    quantize, as random valid blocks; K-quants need input sizes that are multiples of 256), and
+    quantize, and Q5_K and Q6_K, as random valid blocks; K-quants need input sizes that are multiples of 256), and
     returns their dequantized values: the gguf package's dequantizer is the oracle.
     """
     rng = np.random.default_rng(seed)
@@ -172,17 +172,29 @@ def write_tiny_gguf(
     return {name: torch.from_numpy(np.array(value)) for name, value in hf.items()}
 
 
+# K-quant type -> (block bytes, [(byte offset of an f16 scale, its magnitude)]).
+K_BLOCKS = {
+    "Q4_K": (144, [(0, 0.01), (2, 0.01)]),  # d, dmin, 12 bytes of 6-bit scales/mins, 128 of codes
+    "Q5_K": (176, [(0, 0.005), (2, 0.005)]),  # d, dmin, scales, 32 bytes of high bits, 128 of codes
+    "Q6_K": (210, [(208, 2e-5)]),  # 128 + 64 bytes of codes, 16 int8 scales, d
+}
+
+
 def _add_quantized(w: gguf.GGUFWriter, name: str, values: np.ndarray, type_name: str, rng) -> np.ndarray:
     """Write ``values`` [rows, cols] as ``type_name``; return what the file holds, dequantized."""
     qtype = gguf.GGMLQuantizationType[type_name]
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
-        # 144-byte blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of codes.
+    if type_name in K_BLOCKS:
+        # The gguf package cannot quantize K-quants: random valid blocks of 256 values, their f16
+        # scales set so that the weights stay about as small as the float ones.
+        size, fields = K_BLOCKS[type_name]
         rows, cols = values.shape
         n = rows * cols // 256
-        blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
-        blocks[:, 0:2] = (rng.random(n) * 0.01 + 1e-4).astype(np.float16).view(np.uint8).reshape(n, 2)
-        blocks[:, 2:4] = (rng.random(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
-        packed = blocks.reshape(rows, cols // 256 * 144)
+        blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+        for offset, scale in fields:
+            blocks[:, offset : offset + 2] = (
+                (rng.random(n) * scale + scale / 100).astype(np.float16).view(np.uint8).reshape(n, 2)
+            )
+        packed = blocks.reshape(rows, cols // 256 * size)
     else:
         packed = gguf.quants.quantize(values, qtype)
     w.add_tensor(name, packed, raw_dtype=qtype)

@@ -8,20 +8,8 @@ vocabulary, the index takes milliseconds). Each tensor can be read two ways:
 
 - ``dequantize``: float32 values, exactly the gguf package's own dequantization (the oracle), with
   llama.cpp's rotary row permutation of attn_q/attn_k undone;
-- ``int4``: for the 4-bit types whose blocks are 32 values with a scale and an offset (Q4_0, Q4_1,
-  and Q4_K's 32-value sub-blocks), the 4-bit codes and per-group scales and zeros of
-
-      w[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32]
-
-  which is the form of torch's int4 weight-only kernels. Per GGUF type:
-
-      Q4_0:  w = d * (q - 8)            -> scale = d,       zero = 0
-      Q4_1:  w = d * q + m              -> scale = d,       zero = m + 8 * d
-      Q4_K:  w = d * sc_j * q - dmin * m_j (sub-block j of 8, 6-bit sc_j and m_j)
-                                        -> scale = d * sc_j, zero = 8 * d * sc_j - dmin * m_j
-
-  d, m, dmin are float16 in the file, so scale is exact in float32 and zero is exact up to one
-  float32 rounding; a kernel that keeps scales in bfloat16 rounds them once more.
+- ``raw``: its bytes in place (a read-only view of the map): a quantized tensor's blocks, which the
+  native decode step multiplies as they are (muxworker.worker.backends.torch.quant).
 """
 
 from __future__ import annotations
@@ -38,12 +26,9 @@ import numpy as np
 __all__ = [
     "BLOCK_TENSORS",
     "GGUF_LINK",
-    "INT4_GROUP",
-    "INT4_TYPES",
     "TENSOR_INDEX",
     "GGUFTensorError",
     "GGUFTensorIndex",
-    "Int4Weight",
     "TensorEntry",
     "dequantize_tensor",
     "hf_tensor_name",
@@ -52,17 +37,11 @@ __all__ = [
 
 TENSOR_INDEX = "gguf_tensors.json"  # written by conversion, read at every load
 GGUF_LINK = "model.gguf"  # the converted directory's link to the source GGUF
-INT4_GROUP = 32
 INDEX_VERSION = 1
 
 
 class GGUFTensorError(ValueError):
     """A tensor index or GGUF file that does not hold what it claims."""
-
-
-# The types whose blocks map onto int4 codes with per-32 scales and zeros (every other type is
-# dequantized through the gguf package).
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 _GLOBAL_TENSORS = {
@@ -147,22 +126,6 @@ class TensorEntry:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise GGUFTensorError(f"malformed tensor entry {d!r}: {e}") from None
-
-
-@dataclass(frozen=True)
-class Int4Weight:
-    """``w[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32]``."""
-
-    codes: np.ndarray  # uint8 [N, K], values 0..15
-    scales: np.ndarray  # float32 [N, K // 32]
-    zeros: np.ndarray  # float32 [N, K // 32]
-
-    def dequantize(self) -> np.ndarray:
-        """float32 [N, K] (the formula above, in float32)."""
-        n, k = self.codes.shape
-        s = np.repeat(self.scales, INT4_GROUP, axis=1)
-        z = np.repeat(self.zeros, INT4_GROUP, axis=1)
-        return (self.codes.astype(np.float32) - 8) * s + z
 
 
 def _block_size(type_name: str) -> tuple[int, int]:
@@ -265,21 +228,13 @@ class GGUFTensorIndex:
             return values
         return np.array(values, dtype=np.float32)
 
-    def int4(self, name: str) -> Int4Weight:
-        """The int4 form of a Q4_0, Q4_1 or Q4_K tensor (see the module docstring for the mapping)."""
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of ``name`` in the file (uint8, a read-only view of the map): a quantized
+        tensor's blocks, rows in the file's order (attn_q/attn_k rows still permuted)."""
         e = self.entries[name]
-        if e.type not in INT4_TYPES or len(e.shape) != 2:
-            raise GGUFTensorError(f"tensor {e.gguf_name} is {e.type} {list(e.shape)}, not a 2-D one of {INT4_TYPES}")
-        rows, cols = e.shape
-        blocks = self._blocks(e)
-        codes, scales, zeros = _INT4_READERS[e.type](blocks)
-        w = Int4Weight(
-            codes.reshape(rows, cols), scales.reshape(rows, cols // INT4_GROUP), zeros.reshape(rows, cols // INT4_GROUP)
-        )
-        if e.rotary_heads is not None:
-            h = e.rotary_heads
-            w = Int4Weight(*(unpermute_rotary_rows(a, h) for a in (w.codes, w.scales, w.zeros)))
-        return w
+        if e.type not in ("F32", "F16", "BF16"):
+            self._blocks(e)  # checks that the bytes are whole blocks
+        return self._bytes(e)
 
 
 def dequantize_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, ...], rotary_heads: int | None) -> np.ndarray:
@@ -295,39 +250,3 @@ def dequantize_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, ...], r
     if rotary_heads is not None:
         values = unpermute_rotary_rows(values, rotary_heads)
     return values
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[B, 16] packed bytes -> [B, 32] codes: value j < 16 is byte j's low nibble, j >= 16 byte j-16's high."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(-1)
-
-
-def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    d = _f16(blocks[:, 0:2])
-    return _nibbles(blocks[:, 2:18]), d, np.zeros_like(d)
-
-
-def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    return _nibbles(blocks[:, 4:20]), d, m + np.float32(8) * d
-
-
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from gguf.quants import Q4_K
-
-    n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))  # [B, 8] 6-bit each
-    scale = d[:, None] * sc.astype(np.float32)  # [B, 8]
-    zero = np.float32(8) * scale - dmin[:, None] * mn.astype(np.float32)
-    # 128 bytes = 4 chunks of 32: chunk c's low nibbles are sub-block 2c, its high nibbles 2c + 1.
-    qs = blocks[:, 16:144].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    codes = (qs & 0x0F).reshape(n, 256)
-    return codes, scale.reshape(-1), zero.reshape(-1)
-
-
-_INT4_READERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}

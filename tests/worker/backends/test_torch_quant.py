@@ -1,11 +1,11 @@
-"""Quantized weights on torch: the int4 kernel's effective weights against the gguf package's
-dequantizer, quantized models against their float twins, and --quantize on a float model."""
+"""Quantized models on torch: GGUF blocks read in place for the native step, dense copies for
+prefill, the native step against the dense path, row independence, and --quantize on a float model."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers.gguf_files import write_tiny_gguf
@@ -13,49 +13,22 @@ from helpers.gguf_files import write_tiny_gguf
 from muxworker.worker.backends.interface import SeqSpan
 from muxworker.worker.backends.torch import executor as ex
 from muxworker.worker.backends.torch.cache import KVCache
-from muxworker.worker.backends.torch.quant import (
-    Int4Linear,
-    Int4Weight,
-    Int8Linear,
-    quantize_int4,
-    quantize_int8,
-)
+from muxworker.worker.backends.torch.executor import TorchExecutor
 from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.convert import convert_gguf
 from muxworker.worker.models.gguf_tensors import GGUFTensorIndex
 from muxworker.worker.models.loader import load_model_dir
 
-K_QUANT = dict(hidden=256, n_head=4, n_kv_head=2, ffn=512)
+K_QUANT = dict(hidden=256, n_head=4, n_kv_head=2, ffn=512)  # K-quants need multiples of 256
+NATIVE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+IDS = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
 
 
 def _linked(tmp_path: Path, linear_type: str, **kw) -> Path:
+    if linear_type.endswith("_K"):
+        kw = K_QUANT | kw
     write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=linear_type, **kw)
     return convert_gguf(tmp_path / "tiny.gguf", tmp_path / "linked", progress=None, weights="link")
-
-
-def _kernel_weight(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
-    """The weight the kernel multiplies by: W^T = eye(K) @ W^T, each output one weight exactly."""
-    eye = torch.eye(layer.in_features, dtype=dtype)
-    return layer(eye).t().float()
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_int4_kernel_weights_equal_the_gguf_dequantization(tmp_path: Path, qtype: str) -> None:
-    index = GGUFTensorIndex.open(_linked(tmp_path, qtype, **(K_QUANT if qtype == "Q4_K" else {})))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
-        oracle = torch.from_numpy(index.dequantize(name).copy())
-        w = index.int4(name)
-        weight = Int4Weight.from_numpy(w.codes, w.scales, w.zeros)
-        # The float32 mapping is the GGUF's values up to float32 rounding (the dense copy holds it).
-        torch.testing.assert_close(weight.dequantize(), oracle, rtol=0, atol=4e-6 * oracle.abs().max().item())
-        dense = Int4Linear(weight, None, torch.float32).dense
-        torch.testing.assert_close(dense, oracle, rtol=0, atol=4e-6 * oracle.abs().max().item())
-        # The kernel keeps scales and zeros in bfloat16, the one rounding the mapping adds.
-        s = weight.scales.bfloat16().float().repeat_interleave(32, 1)
-        z = weight.zeros.bfloat16().float().repeat_interleave(32, 1)
-        expected = ((weight.codes.float() - 8) * s + z).bfloat16().float()
-        got = _kernel_weight(Int4Linear(weight, None, torch.bfloat16), torch.bfloat16)
-        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-6)
 
 
 def _load(model_dir: Path, dtype: str, weights: str = "float", quantize: str | None = None):
@@ -65,6 +38,7 @@ def _load(model_dir: Path, dtype: str, weights: str = "float", quantize: str | N
 
 
 def _logits(model, args, ids: list[int]) -> torch.Tensor:
+    """The torch model's dense path over a whole prompt."""
     model.setup_rope(64)
     cache = KVCache(
         args.windows, 1, 64, args.num_kv_heads, args.head_size, model.model.embed_tokens.weight.dtype, "cpu"
@@ -73,31 +47,106 @@ def _logits(model, args, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids), torch.arange(n), [SeqSpan(0, 0, n, 0)], cache, torch.arange(n))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_quantized_model_matches_its_float_twin(tmp_path: Path, qtype: str) -> None:
-    d = _linked(tmp_path, qtype, **(K_QUANT if qtype == "Q4_K" else {}))
-    ids = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
-    quantized, args = _load(d, "float32", "quantized")
-    assert sum(isinstance(m, Int4Linear) for m in quantized.modules()) == 2 * args.num_hidden_layers * 2
-    assert isinstance(quantized.lm_head, Int8Linear)  # the output layer: int8, requantized per row
-    float_model, _ = _load(d, "float32", "float")
-    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in float_model.modules())
-    a, b = _logits(quantized, args, ids), _logits(float_model, args, ids)
-    assert (a - b).abs().max() < 0.02 * b.abs().max()
-    # With the float head, a prefill (dense route) computes what the float layers do, to float32
-    # rounding; a decode step (the bfloat16 kernel) agrees to bfloat16 rounding.
-    quantized.lm_head = float_model.lm_head
-    torch.testing.assert_close(_logits(quantized, args, ids), b, rtol=0, atol=1e-4)
-    one = _logits(quantized, args, ids[:1])
-    assert (one - b[:1]).abs().max() < 0.02 * b.abs().max()
+def _decode(executor: TorchExecutor, slot: int, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill ``prompt`` into ``slot`` in one span, then decode greedily one row at a time."""
+    n = len(prompt)
+    logits = executor.forward(prompt, list(range(n)), [SeqSpan(slot, 0, n, 0)], [n - 1])
+    tokens, rows = [int(logits.argmax())], []
+    for i in range(steps):
+        row = executor.forward([tokens[-1]], [n + i], [SeqSpan(slot, n + i, 1, 0)], [0])
+        rows.append(row[0])
+        tokens.append(int(row.argmax()))
+    return tokens, rows
 
 
-def test_mixed_types_in_a_fused_projection_run_dense(tmp_path: Path) -> None:
-    # The default tiny GGUF has F32 q/k/v/gate/up and a Q8_0 down: nothing to keep 4-bit.
-    write_tiny_gguf(tmp_path / "tiny.gguf")
-    d = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "linked", progress=None, weights="link")
-    model, _ = _load(d, "float32", "quantized")
-    assert not any(isinstance(m, Int4Linear) for m in model.modules())
+@pytest.mark.parametrize("qtype", NATIVE_TYPES)
+def test_blocks_are_read_in_place_and_the_dense_copies_hold_the_files_values(tmp_path: Path, qtype: str) -> None:
+    d = _linked(tmp_path, qtype)
+    model, args = _load(d, "float32", "quantized")
+    index = GGUFTensorIndex.open(d)
+    assert model.quantized is not None
+    for i in range(args.num_hidden_layers):
+        q = f"model.layers.{i}.self_attn.q_proj.weight"
+        blocks = model.quantized[q]
+        assert blocks.type == qtype and blocks.row_map is not None  # rotary rows stay in GGML order
+        # The file's bytes, memory-mapped, not a copy.
+        assert isinstance(blocks.blocks, np.memmap) and not blocks.blocks.flags.owndata
+        np.testing.assert_array_equal(blocks.blocks.reshape(-1), index.raw(q))
+        oracle = index.dequantize(q)  # the gguf package's values, Hugging Face row order
+        np.testing.assert_array_equal(blocks.dequantize(), oracle)
+        dense = model.model.layers[i].self_attn.qkv_proj.weight[: oracle.shape[0]]
+        np.testing.assert_array_equal(dense.numpy(), oracle)
+        down = model.quantized[f"model.layers.{i}.mlp.down_proj.weight"]
+        np.testing.assert_array_equal(model.model.layers[i].mlp.down_proj.weight.numpy(), down.dequantize())
+    # The tiny GGUF's output layer is F32: quantized to Q8_0 for the native step, dense for prefill.
+    assert model.quantized["lm_head.weight"].type == "Q8_0"
+
+
+@pytest.mark.parametrize("qtype", NATIVE_TYPES)
+def test_the_native_step_agrees_with_the_dense_path(tmp_path: Path, qtype: str) -> None:
+    model, args = _load(_linked(tmp_path, qtype), "float32", "quantized")
+    native = TorchExecutor(model, 1, 64)
+    dense = TorchExecutor(model, 1, 64)
+    assert native.native is not None and native.native_unavailable is None
+    dense.native = None  # every span through torch's dense path
+    got_tokens, got = _decode(native, 0, IDS, 6)
+    want_tokens, want = _decode(dense, 0, IDS, 6)
+    for a, b in zip(got, want):
+        # The native step rounds activations to int8 per block of 32: close, not equal.
+        assert (a - b).abs().max() < 0.03 * b.abs().max()
+    assert got_tokens[:3] == want_tokens[:3]
+
+
+def test_a_decode_row_does_not_depend_on_its_batch_or_its_pass(tmp_path: Path) -> None:
+    model, args = _load(_linked(tmp_path, "Q4_1"), "bfloat16", "quantized")
+    executor = TorchExecutor(model, 6, 64)
+    n = len(IDS)
+    alone_tokens, alone = _decode(executor, 0, IDS, 8)
+    # The same session in slot 1, each decode row batched with other sessions' work: a long
+    # prefill (torch's dense path), a short prompt chunk and a decode (the native step).
+    executor.forward(IDS, list(range(n)), [SeqSpan(1, 0, n, 0)], [n - 1])
+    long = IDS * 3
+    for i in range(8):
+        tokens = [alone_tokens[i], *long, 7, 8, 9, 4]
+        spans = [SeqSpan(1, n + i, 1, 0), SeqSpan(2, 0, len(long), 1), SeqSpan(3, i * 3, 3, 1 + len(long))]
+        spans.append(SeqSpan(4, i, 1, 4 + len(long)))
+        positions = [n + i, *range(len(long)), i * 3, i * 3 + 1, i * 3 + 2, i]
+        out = executor.forward(tokens, positions, spans, [0, len(long), len(long) + 3])
+        assert torch.equal(out[0], alone[i]), i
+    # A verify chunk (the pending token and k drafts in one span) gives each row what decoding
+    # it alone gave.
+    executor.forward(IDS, list(range(n)), [SeqSpan(5, 0, n, 0)], [n - 1])
+    chunk = alone_tokens[:8]
+    out = executor.forward(chunk, list(range(n, n + 8)), [SeqSpan(5, n, 8, 0)], list(range(8)))
+    for i in range(8):
+        assert torch.equal(out[i], alone[i]), i
+
+
+def test_a_sliding_window_ring_takes_verify_chunks_up_to_its_spare_rows(tiny_mistral_dir: Path) -> None:
+    model, args = _load(tiny_mistral_dir, "float32", quantize="int4")
+    assert any(w is not None for w in args.windows)
+    assert TorchExecutor(model, 2, 64).native.max_rows == 1  # no spare rows: one row at a time
+    executor = TorchExecutor(model, 2, 64, rollback_rows=3)
+    assert executor.native.max_rows == 4
+    prompt = list(range(3, 23))  # past the window of 16
+    alone_tokens, alone = _decode(executor, 0, prompt, 8)
+    n = len(prompt)
+    executor.forward(prompt, list(range(n)), [SeqSpan(1, 0, n, 0)], [n - 1])
+    for start in (0, 4):
+        chunk = alone_tokens[start : start + 4]
+        out = executor.forward(
+            chunk, list(range(n + start, n + start + 4)), [SeqSpan(1, n + start, 4, 0)], [0, 1, 2, 3]
+        )
+        for i in range(4):
+            assert torch.equal(out[i], alone[start + i]), (start, i)
+
+
+def test_a_type_the_native_step_lacks_runs_dense(tmp_path: Path) -> None:
+    model, _ = _load(_linked(tmp_path, "Q5_1"), "float32", "quantized")
+    executor = TorchExecutor(model, 1, 64)
+    assert executor.native is None and "not quantized" in executor.native_unavailable
+    tokens, _ = _decode(executor, 0, IDS, 2)  # still serves, through torch
+    assert len(tokens) == 3
 
 
 def test_quantized_weights_need_a_quantized_model(tiny_llama_dir: Path) -> None:
@@ -105,81 +154,35 @@ def test_quantized_weights_need_a_quantized_model(tiny_llama_dir: Path) -> None:
         _load(tiny_llama_dir, "float32", "quantized")
 
 
-def test_quantize_int4_and_int8_error_bounds() -> None:
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 128, generator=g)
-    q4 = quantize_int4(w)
-    step = (w.reshape(96, 4, 32).amax(-1) - w.reshape(96, 4, 32).amin(-1)) / 15
-    err = (q4.dequantize() - w).abs().reshape(96, 4, 32)
-    assert (err <= step[..., None] / 2 + 1e-6).all()  # round to nearest of 16 levels per group
-    q8 = quantize_int8(w)
-    assert ((q8.dequantize() - w).abs() <= (w.abs().amax(1, keepdim=True) / 127) / 2 + 1e-6).all()
-
-
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_quantize_a_float_model_at_load(tiny_llama_dir: Path, mode: str) -> None:
-    config = json.loads((tiny_llama_dir / "config.json").read_text())
-    ids = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
+@pytest.mark.parametrize("mode,qtype", [("int4", "Q4_1"), ("int8", "Q8_0")])
+def test_quantize_a_float_model_at_load(tiny_llama_dir: Path, mode: str, qtype: str) -> None:
     base, args = _load(tiny_llama_dir, "float32")
     quantized, _ = _load(tiny_llama_dir, "float32", quantize=mode)
-    kind = Int4Linear if mode == "int4" else Int8Linear
-    assert sum(isinstance(m, kind) for m in quantized.modules()) == 4 * config["num_hidden_layers"]
-    a, b = _logits(quantized, args, ids), _logits(base, args, ids)
+    assert base.quantized is None
+    assert {q.type for q in quantized.quantized.values()} == {qtype}
+    assert len(quantized.quantized) == 7 * args.num_hidden_layers + 1  # every linear layer and the head
+    a, b = _logits(quantized, args, IDS), _logits(base, args, IDS)
     # Not equal (the weights were rounded), but the same model: the logits are close and mostly
     # agree on the top token.
     assert (a - b).abs().max() < 0.25 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.6
+    assert TorchExecutor(quantized, 1, 64).native is not None
+    with pytest.raises(ValueError, match="--quantize must be one of int4, int8"):
+        _load(tiny_llama_dir, "float32", quantize="int2")
 
 
 def test_prepared_weights_are_cached_and_reload_to_the_same_model(tmp_path: Path) -> None:
     from muxworker.worker.backends.torch.prepared import prepared_path
 
     d = _linked(tmp_path, "Q4_1")
-    ids = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
     first, args = _load(d, "bfloat16", "quantized")
     cache = prepared_path(d, torch.bfloat16, torch.device("cpu"))
     assert cache.is_file()
     again, _ = _load(d, "bfloat16", "quantized")  # memory-mapped from the cache
-    assert sum(isinstance(m, Int4Linear) for m in again.modules()) == 4 * args.num_hidden_layers
-    assert torch.equal(_logits(first, args, ids), _logits(again, args, ids))
+    assert torch.equal(_logits(first, args, IDS), _logits(again, args, IDS))
+    assert again.quantized is not None
     # A damaged cache is ignored and rewritten, never an error.
     cache.write_bytes(b"not a torch file")
     damaged, _ = _load(d, "bfloat16", "quantized")
-    assert torch.equal(_logits(damaged, args, ids), _logits(first, args, ids))
+    assert torch.equal(_logits(damaged, args, IDS), _logits(first, args, IDS))
     assert cache.stat().st_size > 1000
-
-
-def test_a_prefill_runs_dense_and_a_decode_runs_the_kernel(tmp_path: Path) -> None:
-    from muxworker.worker.backends.torch import quant
-
-    d = _linked(tmp_path, "Q4_1")
-    model, args = _load(d, "float32", "quantized")
-    calls = {"dense": 0, "kernel": 0}
-    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
-    forward = layer.forward
-
-    def counting(x):
-        calls["dense" if quant._ROUTE.dense else "kernel"] += 1
-        return forward(x)
-
-    layer.forward = counting  # type: ignore[method-assign]
-    _logits(model, args, list(range(1, quant.DENSE_ROWS + 1)))
-    assert calls == {"dense": 1, "kernel": 0}
-    _logits(model, args, [5])
-    assert calls == {"dense": 1, "kernel": 1}
-    # Both paths multiply by the same weights (the kernel's in bfloat16).
-    x = torch.randn(3, layer.in_features)
-    with quant.dense_route(True):
-        dense = layer(x)
-    assert (dense - layer(x)).abs().max() < 0.02 * dense.abs().max()
-
-
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1"])
-def test_other_quantized_types_run_dense_with_their_exact_values(tmp_path: Path, qtype: str) -> None:
-    d = _linked(tmp_path, qtype)
-    ids = [5, 17, 33, 2, 90, 41, 7, 250, 11, 3]
-    quantized, args = _load(d, "float32", "quantized")
-    assert not any(isinstance(m, Int4Linear) for m in quantized.modules())  # dequantized, not 4-bit
-    float_model, _ = _load(d, "float32", "float")
-    quantized.lm_head = float_model.lm_head  # the head alone is requantized to int8
-    torch.testing.assert_close(_logits(quantized, args, ids), _logits(float_model, args, ids), rtol=0, atol=1e-5)

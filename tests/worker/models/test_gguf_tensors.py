@@ -1,5 +1,5 @@
-"""Reading a GGUF's tensors in place: the linked directory, the tensor index, and the int4 mapping of
-Q4_0/Q4_1/Q4_K blocks, with the gguf package's own dequantizer as the oracle."""
+"""Reading a GGUF's tensors in place: the linked directory, the tensor index, the raw blocks and
+the dequantized values, with the gguf package's own dequantizer as the oracle."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from muxworker.worker.models.gguf_tensors import (
     TENSOR_INDEX,
     GGUFTensorError,
     GGUFTensorIndex,
+    unpermute_rotary_rows,
 )
 from muxworker.worker.models.identity import model_identity_files
 from muxworker.worker.models.loader import load_model_dir, load_state_dict, resolve_model
 
 # K-quants need input sizes that are multiples of 256.
-SHAPES = {"Q4_0": {}, "Q4_1": {}, "Q4_K": dict(hidden=256, n_head=4, n_kv_head=2, ffn=512)}
+K_SHAPE = dict(hidden=256, n_head=4, n_kv_head=2, ffn=512)
+SHAPES = {"Q4_0": {}, "Q4_1": {}, "Q8_0": {}, "Q4_K": K_SHAPE, "Q5_K": K_SHAPE, "Q6_K": K_SHAPE}
 
 
 def _linked(tmp_path: Path, linear_type: str, **kw):
@@ -33,30 +35,22 @@ def _linked(tmp_path: Path, linear_type: str, **kw):
 
 
 @pytest.mark.parametrize("qtype", sorted(SHAPES))
-def test_int4_codes_reproduce_the_gguf_dequantization(tmp_path: Path, qtype: str) -> None:
+def test_raw_blocks_and_dequantized_values_are_the_files(tmp_path: Path, qtype: str) -> None:
     original, out = _linked(tmp_path, qtype, **SHAPES[qtype])
     index = GGUFTensorIndex.open(out)
     for name, oracle in original.items():
         if not name.endswith("_proj.weight"):
             continue
         assert index.type_of(name) == qtype
-        w = index.int4(name)
-        assert w.codes.dtype == np.uint8 and int(w.codes.max()) <= 15
-        assert w.scales.shape == (w.codes.shape[0], w.codes.shape[1] // 32)
-        # (codes - 8) * scale + zero in float32 against the gguf package's dequantizer: the same
-        # values up to the float32 rounding of zero = m + 8 d (Q4_1) or 8 d sc - dmin m (Q4_K).
-        np.testing.assert_allclose(w.dequantize(), oracle.numpy(), rtol=0, atol=4e-6 * np.abs(oracle.numpy()).max())
+        raw = index.raw(name)
+        assert raw.dtype == np.uint8 and not raw.flags.writeable  # a view of the read-only map
+        e = index.entries[name]
+        unpermuted = unpermute_rotary_rows if e.rotary_heads else None
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(e.shape)
+        if unpermuted is not None:
+            values = unpermuted(values, e.rotary_heads)
+        np.testing.assert_array_equal(values, oracle.numpy())
         np.testing.assert_array_equal(index.dequantize(name), oracle.numpy())  # q/k rows unpermuted
-
-
-def test_q4_0_zero_is_exactly_zero_and_q4_1_matches_bit_for_bit(tmp_path: Path) -> None:
-    _, out = _linked(tmp_path / "a", "Q4_0")
-    w = GGUFTensorIndex.open(out).int4("model.layers.0.mlp.up_proj.weight")
-    assert not w.zeros.any()
-    _, out = _linked(tmp_path / "b", "Q4_1")
-    index = GGUFTensorIndex.open(out)
-    name = "model.layers.1.self_attn.v_proj.weight"
-    np.testing.assert_array_equal(index.int4(name).dequantize(), index.dequantize(name))
 
 
 def test_index_offsets_are_the_readers_bytes(tmp_path: Path) -> None:
@@ -138,7 +132,11 @@ def test_a_damaged_index_is_refused(tmp_path: Path) -> None:
         GGUFTensorIndex.open(out)
 
 
-def test_int4_of_a_non_4bit_tensor_says_what_it_is(tmp_path: Path) -> None:
+def test_raw_of_a_tensor_whose_bytes_are_not_whole_blocks_says_so(tmp_path: Path) -> None:
     _, out = _linked(tmp_path, "Q8_0")
+    index = GGUFTensorIndex.open(out)
+    name = "model.layers.0.mlp.up_proj.weight"
+    entry = index.entries[name]
+    index.entries[name] = type(entry)(**{**entry.__dict__, "nbytes": entry.nbytes - 34})
     with pytest.raises(GGUFTensorError, match="Q8_0"):
-        GGUFTensorIndex.open(out).int4("model.layers.0.mlp.up_proj.weight")
+        index.raw(name)

@@ -8,18 +8,21 @@ and gets float32 logits back on the CPU, and it moves checkpoint rows through ``
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from muxworker import native as _native
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
 from muxworker.transport.checkpoint.segments import byte_view
 from muxworker.worker.backends.interface import SeqSpan, check_batch
+from muxworker.worker.backends.torch import quant as _quant
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
+from muxworker.worker.backends.torch.native_step import NativeStep, unsupported
 from muxworker.worker.backends.torch.prepared import load_prepared, prepared_path, save_prepared
-from muxworker.worker.backends.torch.quant import Int4Weight, Weight, quantize_int4, quantize_int8
+from muxworker.worker.backends.torch.quant import QuantBlocks, quantize_blocks, rotary_row_map
 from muxworker.worker.models import gguf_tensors
 from muxworker.worker.models.args import ModelArgs
 from muxworker.worker.models.loader import ModelFiles, load_state_dict
@@ -56,67 +59,76 @@ def load_model(
 ) -> Transformer:
     """Load a model directory's weights into the torch model, in ``dtype``, on ``device``.
 
-    ``weights="quantized"``: a converted GGUF's Q4_0/Q4_1/Q4_K linear tensors stay 4-bit (the int4
-    kernel); the output layer (the tied embedding, or output.weight when it is not 4-bit) runs the
-    int8 kernel, requantized per row from its GGUF values (Q8_0 in the bundled model: int4 there
-    loses several percent of top-1 agreement, a dense bfloat16 head reads twice the bytes); every
-    other tensor (embeddings, norms, Q8_0/Q5/Q6 linears, F16) is dequantized to ``dtype``. ``quantize``: quantize a float model's linear weights at load,
-    "int4" (group 32, min/max; the output layer stays dense) or "int8" (per row, absmax).
+    ``weights="quantized"``: a converted GGUF's linear layers and output layer keep their GGUF
+    blocks (read in place, for the native decode step: ``model.quantized``, quant.py) beside their
+    dense copies (dequantized, for prefill, cached memory-mapped by prepared.py); every other tensor
+    is dequantized to ``dtype``. ``quantize``: quantize a float model's linear layers and output
+    layer at load, "int4" (Q4_1 blocks) or "int8" (Q8_0); the dense copies are then the quantized
+    values, so prefill and decode multiply the same weights.
     """
     dev = resolve_device(device)
     dt = DTYPES[dtype]
-    state: dict[str, Weight]
     if files.gguf and weights == "quantized":
         if quantize is not None:
             raise ValueError("--quantize applies to float models; a GGUF keeps its own quantization")
         gguf = files.weight_files[0].resolve()
+        index = gguf_tensors.GGUFTensorIndex.open(files.path)
         cache = prepared_path(files.path, dt, dev)
-        if dev.type == "cpu" and (model := load_prepared(args, cache, dt, gguf)) is not None:
-            return model
-        model = build_model(args, _gguf_state(files, dt), dtype=dt, device=dev)
-        if dev.type == "cpu":
-            save_prepared(model, cache, dt, gguf)
+        model = load_prepared(args, cache, dt, gguf) if dev.type == "cpu" else None
+        if model is None:
+            state = {name: torch.from_numpy(index.dequantize(name)).to(dt) for name in index.names()}
+            model = build_model(args, state, dtype=dt, device=dev)
+            if dev.type == "cpu":
+                save_prepared(model, cache, dt, gguf)
+        model.quantized = _gguf_blocks(index, args)
         return model
-    else:
-        if weights == "quantized" and quantize is None:
-            raise ValueError(
-                f"{files.path} holds float weights: --weights quantized needs a quantized GGUF, "
-                "or --quantize int4|int8 to quantize at load"
-            )
-        state = dict(load_state_dict(files.path, device="cpu", dtype=dt if quantize is None else None))
-        if quantize is not None:
-            state = _quantize(state, quantize)
-    return build_model(args, state, dtype=dt, device=dev)
+    if weights == "quantized" and quantize is None:
+        raise ValueError(
+            f"{files.path} holds float weights: --weights quantized needs a quantized GGUF, "
+            "or --quantize int4|int8 to quantize at load"
+        )
+    state = dict(load_state_dict(files.path, device="cpu", dtype=dt if quantize is None else None))
+    blocks = None
+    if quantize is not None:
+        if quantize not in _quant.QUANTIZE_TYPES:
+            raise ValueError(f"--quantize must be one of {', '.join(_quant.QUANTIZE_TYPES)}, got {quantize!r}")
+        if "lm_head.weight" not in state:  # tied: the head is the embedding's values
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        blocks = {
+            name: quantize_blocks(w, _quant.QUANTIZE_TYPES[quantize])
+            for name, w in state.items()
+            if _is_linear(name) or name == "lm_head.weight"
+        }
+        for name, q in blocks.items():
+            if name != "lm_head.weight" or not args.tie_word_embeddings:
+                state[name] = torch.from_numpy(q.dequantize())
+    model = build_model(args, state, dtype=dt, device=dev)
+    model.quantized = blocks
+    return model
 
 
 def _is_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
-def _gguf_state(files: ModelFiles, dtype: torch.dtype) -> dict[str, Weight]:
-    index = gguf_tensors.GGUFTensorIndex.open(files.path)
-    state: dict[str, Weight] = {}
-    for name in index.names():
-        if (_is_linear(name) or name == "lm_head.weight") and index.type_of(name) in gguf_tensors.INT4_TYPES:
-            w = index.int4(name)
-            state[name] = Int4Weight.from_numpy(w.codes, w.scales, w.zeros)
-        elif name == "lm_head.weight":
-            state[name] = quantize_int8(torch.from_numpy(index.dequantize(name)))
-        else:
-            state[name] = torch.from_numpy(index.dequantize(name)).to(dtype)
-    if "lm_head.weight" not in state:  # tied: the head is the embedding, requantized for the int8 kernel
-        state["lm_head.weight"] = quantize_int8(torch.from_numpy(index.dequantize("model.embed_tokens.weight")))
-    return state
-
-
-def _quantize(state: dict[str, Weight], mode: str) -> dict[str, Weight]:
-    quantizers: dict[str, Callable[[torch.Tensor], Weight]] = {"int4": quantize_int4, "int8": quantize_int8}
-    if mode not in quantizers:
-        raise ValueError(f"--quantize must be one of {', '.join(quantizers)}, got {mode!r}")
-    out: dict[str, Weight] = {}
-    for name, w in state.items():
-        assert isinstance(w, torch.Tensor)
-        out[name] = quantizers[mode](w) if _is_linear(name) else w
+def _gguf_blocks(index: gguf_tensors.GGUFTensorIndex, args: ModelArgs) -> dict[str, QuantBlocks] | None:
+    """The GGUF blocks of the linear layers and the output layer (a tied model's is the embedding),
+    read in place; None when a linear layer is in a type the native step does not multiply. An
+    output layer in another type (F16, F32, ...) is quantized to Q8_0 here, as llama.cpp's
+    products quantize it too."""
+    out: dict[str, QuantBlocks] = {}
+    head = "lm_head.weight" if "lm_head.weight" in index.entries else "model.embed_tokens.weight"
+    for name in (*(n for n in index.names() if _is_linear(n)), head):
+        e = index.entries[name]
+        key = "lm_head.weight" if name == head else name
+        if len(e.shape) != 2 or (e.type not in _native.QUANT_TYPES and key != "lm_head.weight"):
+            return None
+        rows, cols = e.shape
+        if e.type not in _native.QUANT_TYPES:
+            out[key] = quantize_blocks(torch.from_numpy(index.dequantize(name)), "Q8_0")
+            continue
+        row_map = None if e.rotary_heads is None else rotary_row_map(rows, e.rotary_heads)
+        out[key] = QuantBlocks(index.raw(name).reshape(rows, -1), e.type, (rows, cols), row_map)
     return out
 
 
@@ -142,21 +154,33 @@ class TorchExecutor:
             self.device,
             rollback_rows=rollback_rows,
         )
+        # Short spans (decode, drafts' verification, short prompt chunks) of a quantized model on
+        # the CPU run the native step; everything else, and every span of a float model, torch.
+        quantized = getattr(model, "quantized", None)
+        self.native_unavailable = unsupported(model, quantized, self.device)
+        self.native: NativeStep | None = None
+        if self.native_unavailable is None and quantized is not None:
+            self.native = NativeStep(model, quantized, self.cache, torch.get_num_threads())
 
     @property
     def weight_nbytes(self) -> tuple[int, int]:
-        """(bytes the weights take, of which the quantized layers' dense prefill copies)."""
+        """(bytes the weights take, of which a quantized model's dense prefill copies)."""
         seen: set[int] = set()
-        total = dense = 0
+        dense = 0
         for name, t in (*self.model.named_parameters(), *self.model.named_buffers()):
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen or t.numel() == 0 or name.endswith(("._cos", "._sin")):
                 continue
             seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-            if name.endswith(".dense"):
-                dense += t.untyped_storage().nbytes()
-        return total, dense
+            dense += t.untyped_storage().nbytes()
+        quantized = getattr(self.model, "quantized", None)
+        if not quantized:
+            return dense, 0
+        blocks = sum(q.nbytes for q in quantized.values())
+        copies = sum(
+            p.untyped_storage().nbytes() for n, p in self.model.named_parameters() if n.endswith("_proj.weight")
+        )
+        return dense + blocks, copies
 
     @property
     def dtype_name(self) -> str:
@@ -173,6 +197,35 @@ class TorchExecutor:
         check_batch(
             tokens, positions, logits_rows, vocab_size=self.args.vocab_size, max_positions=self.cache.max_tokens
         )
+        native = self.native
+        if native is None:
+            return self._torch_forward(tokens, positions, spans, logits_rows)
+        short = [s for s in spans if s.length <= native.max_rows]
+        if len(short) == len(spans):
+            return torch.from_numpy(native.forward(tokens, positions, spans, logits_rows))
+        # A mixed pass: long prompt chunks run dense in torch, repacked; the short spans natively.
+        # Each reads and writes only its own sessions' cache rows, so the order does not matter.
+        long = [s for s in spans if s.length > native.max_rows]
+        in_short = {r for s in short for r in range(s.offset, s.offset + s.length)}
+        out = torch.empty(len(logits_rows), self.args.vocab_size, dtype=torch.float32)
+        picked = [i for i, r in enumerate(logits_rows) if r in in_short]
+        if short:
+            out[picked] = torch.from_numpy(native.forward(tokens, positions, short, [logits_rows[i] for i in picked]))
+        rows: list[int] = []
+        repacked = []
+        for s in long:
+            repacked.append(SeqSpan(s.slot, s.start, s.length, len(rows)))
+            rows.extend(range(s.offset, s.offset + s.length))
+        new_row = {r: i for i, r in enumerate(rows)}
+        rest = [i for i, r in enumerate(logits_rows) if r not in in_short]
+        out[rest] = self._torch_forward(
+            [tokens[r] for r in rows], [positions[r] for r in rows], repacked, [new_row[logits_rows[i]] for i in rest]
+        )
+        return out
+
+    def _torch_forward(
+        self, tokens: Sequence[int], positions: Sequence[int], spans: Sequence[SeqSpan], logits_rows: Sequence[int]
+    ) -> torch.Tensor:
         dev = self.device
         logits = self.model(
             torch.tensor(tokens, dtype=torch.long, device=dev),

@@ -7,8 +7,9 @@ Linear layers run once over all N rows; attention runs per sequence against that
 
 The q/k/v projections run as one fused ``qkv_proj`` and gate/up as one ``gate_up_proj`` (one
 matmul each per layer instead of three and two); ``build_model`` fuses the Hugging Face tensors at
-load, so checkpoints and state dicts keep Hugging Face names. A weight may arrive quantized
-(``quant.Int4Weight``/``Int8Weight``), and then its layer runs the int4/int8 CPU kernel.
+load, so checkpoints and state dicts keep Hugging Face names. Every weight here is dense: a
+quantized model's GGUF blocks are not the torch model's but the native step's (quant.py,
+native_step.py), which runs its decode rows; this module then runs only its long prompt chunks.
 
 Every single-token decode in a batch, one session or many, takes the same grouped-matmul attention
 path (``_decode_attention``), so a session's tokens do not depend on whether it was batched; the
@@ -26,10 +27,9 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from muxworker.worker.backends.interface import SeqSpan
-from muxworker.worker.backends.torch import quant
 from muxworker.worker.backends.torch.batch import DecodeBatch
 from muxworker.worker.backends.torch.cache import KVCache
-from muxworker.worker.backends.torch.quant import Int4Weight, Int8Weight, Weight, dense_route, quantized_linear
+from muxworker.worker.backends.torch.quant import QuantBlocks
 from muxworker.worker.models.args import ModelArgs, rope_inv_freq
 
 
@@ -244,6 +244,9 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_max = 0
+        # A quantized model's GGUF blocks by Hugging Face weight name, for the native decode step
+        # (set by executor.load_model; None for a float model).
+        self.quantized: dict[str, QuantBlocks] | None = None
         self.register_buffer("_cos", torch.empty(0), persistent=False)
         self.register_buffer("_sin", torch.empty(0), persistent=False)
 
@@ -275,10 +278,8 @@ class Transformer(nn.Module):
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.model.embed_tokens(tokens)  # [N, C]
         decode = DecodeBatch.of(spans, tokens.device)
-        prompt_rows = tokens.shape[0] - (decode.size if decode is not None else 0)
-        with dense_route(prompt_rows >= quant.DENSE_ROWS):  # quantized layers: dense for a prefill (quant.py)
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, spans, decode, cache)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, spans, decode, cache)
         h = self.model.norm(x[logits_rows])  # [B, C]
         return self.lm_head(h).float()
 
@@ -311,34 +312,22 @@ def _hf_parameter_names(model: Transformer) -> set[str]:
     return names
 
 
-def _stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
-    """Weights of one fused module: quantized ones of the same kind stay quantized, any mix is dense."""
-    kinds = {type(p) for p in parts}
-    if kinds == {Int4Weight}:
-        return Int4Weight.cat(parts)  # type: ignore[arg-type]
-    if kinds == {Int8Weight}:
-        return Int8Weight.cat(parts)  # type: ignore[arg-type]
-    return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
-
-
-def _fuse(sd: dict[str, Weight], n_layers: int, dtype: torch.dtype) -> dict[str, Weight]:
+def _fuse(sd: dict[str, torch.Tensor], n_layers: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out = dict(sd)
     for i in range(n_layers):
         for fused, parts in _FUSED.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
                 if all(n in out for n in names):
-                    out[f"model.layers.{i}.{fused}.{kind}"] = _stack([out.pop(n) for n in names], dtype)
+                    out[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([out.pop(n).to(dtype) for n in names])
     return out
 
 
 def build_model(
-    args: ModelArgs, state_dict: dict[str, Weight], *, dtype: torch.dtype, device: torch.device | str
+    args: ModelArgs, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
-    """Instantiate the model for ``args.architecture`` and load ``state_dict`` strictly.
-
-    ``state_dict`` holds Hugging Face names; a value may be quantized (``Int4Weight``/``Int8Weight``),
-    and its linear layer then runs the quantized kernel (``quant.quantized_linear``)."""
+    """Instantiate the model for ``args.architecture`` and load ``state_dict`` (Hugging Face names,
+    dense tensors) strictly."""
     cls = ARCHITECTURES.get(args.architecture)
     if cls is None:
         raise ValueError(f"no model class for architecture {args.architecture!r}")
@@ -346,9 +335,7 @@ def build_model(
     with torch.device("meta"):
         model = cls(args)
     sd = dict(state_dict)
-    # A tied model shares the embedding as its output layer, unless the head comes quantized (the
-    # embedding stays dense for the lookup, the head runs a quantized kernel).
-    tied = args.tie_word_embeddings and isinstance(sd.get("lm_head.weight", torch.empty(0)), torch.Tensor)
+    tied = args.tie_word_embeddings
     if tied:
         sd.pop("lm_head.weight", None)
     expected = {k for k in _hf_parameter_names(model) if not (tied and k == "lm_head.weight")}
@@ -360,21 +347,11 @@ def build_model(
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     sd = _fuse(sd, args.num_hidden_layers, dtype)
-    quantized = {name.removesuffix(".weight") for name, w in sd.items() if not isinstance(w, torch.Tensor)}
-    if "model.embed_tokens" in quantized or "model.norm" in quantized:
-        raise ValueError("embeddings and norms must be dense tensors")
-    # The meta skeleton's tensors are replaced, never allocated: each dense weight becomes a
-    # Parameter of the given tensor (no copy when it already has the dtype and device), each
-    # quantized one its kernel's module. (to_empty + copy_ + .to(dtype) allocated every weight twice,
-    # in float32 first, and to_empty's meta path imports sympy: ~1 s of a start.)
-    for module_name in sorted(quantized):
-        parent_name, _, attr = module_name.rpartition(".")
-        weight = sd.pop(f"{module_name}.weight")
-        bias = sd.pop(f"{module_name}.bias", None)
-        assert not isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-        setattr(model.get_submodule(parent_name), attr, quantized_linear(weight, bias, dtype, device))
+    # The meta skeleton's tensors are replaced, never allocated: each weight becomes a Parameter of
+    # the given tensor (no copy when it already has the dtype and device). (to_empty + copy_ +
+    # .to(dtype) allocated every weight twice, in float32 first, and to_empty's meta path imports
+    # sympy: ~1 s of a start.)
     for name, value in sd.items():
-        assert isinstance(value, torch.Tensor)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         if value.shape != getattr(module, attr).shape:

@@ -1,15 +1,14 @@
-"""The prepared-weights cache: a quantized model's tensors as its modules hold them, saved once.
+"""The prepared-weights cache: a quantized GGUF model's dense tensors, dequantized once.
 
-Building a model from a GGUF unpacks 4-bit blocks, packs them for the int4 kernel, dequantizes
-the embedding and requantizes the output layer: about 0.6 s of a start, every start. The first
-load writes the result (packed int4 buffers, their scales, the int8 head, dense embeddings and
-norms) beside the converted model as one ``torch.save`` file; later loads memory-map it
+Building a model from a GGUF dequantizes every tensor into the model dtype (the dense copies a
+prefill multiplies, quant.py): about 0.6 s of a start, every start. The first load writes the
+result beside the converted model as one ``torch.save`` file; later loads memory-map it
 (``torch.load(mmap=True, weights_only=True)``), so a start reads only what it touches, and the
-pages are the page cache's, shared between workers of the same model.
+pages are the page cache's, shared between workers of the same model. (The GGUF blocks the native
+decode step multiplies are read in place from the GGUF itself, never from here.)
 
 The file is derived data, never part of a checkpoint's identity. It is keyed by everything that
-shapes its bytes: its name carries the torch version (the kernel's packed layout is torch's own),
-the device type and dtype; its manifest repeats them with ``PREPARED_VERSION`` (bumped when the
+shapes its bytes: its name carries the torch version (its serialization), the device type and dtype; its manifest repeats them with ``PREPARED_VERSION`` (bumped when the
 mapping changes) and the GGUF's size and mtime. Anything that does not match, or a file that does
 not load, is ignored and rebuilt; a cache that cannot be written (read-only model directory) is
 skipped.
@@ -25,12 +24,10 @@ from typing import Any
 import torch
 
 from muxworker.worker.backends.torch.model import ARCHITECTURES, Transformer
-from muxworker.worker.backends.torch.quant import Int4Linear, Int8Linear
 from muxworker.worker.models.args import ModelArgs
 
-PREPARED_VERSION = 3  # 2: Int4Linear holds a dense copy; 3: kernel scales always bfloat16
+PREPARED_VERSION = 4  # 2: Int4Linear holds a dense copy; 3: kernel scales bfloat16; 4: dense tensors only
 _MANIFEST = "__muxworker_prepared__"
-_KINDS: dict[str, type[Int4Linear] | type[Int8Linear]] = {"int4": Int4Linear, "int8": Int8Linear}
 
 
 def prepared_path(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Path:
@@ -43,25 +40,14 @@ def _stamp(gguf: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _manifest(model: Transformer, dtype: torch.dtype, gguf: Path) -> dict[str, Any]:
-    modules = {}
-    for name, m in model.named_modules():
-        for kind, cls in _KINDS.items():
-            if type(m) is cls:
-                modules[name] = [kind, m.out_features, m.in_features, m.bias is not None]
-    return {
-        "version": PREPARED_VERSION,
-        "torch": str(torch.__version__),
-        "dtype": str(dtype),
-        "gguf": _stamp(gguf),
-        "modules": modules,
-    }
+def _manifest(dtype: torch.dtype, gguf: Path) -> dict[str, Any]:
+    return {"version": PREPARED_VERSION, "torch": str(torch.__version__), "dtype": str(dtype), "gguf": _stamp(gguf)}
 
 
 def save_prepared(model: Transformer, path: Path, dtype: torch.dtype, gguf: Path) -> bool:
     """Write ``model``'s tensors to ``path`` atomically; False when the directory is not writable."""
     state: dict[str, Any] = dict(model.state_dict())
-    state[_MANIFEST] = _manifest(model, dtype, gguf)
+    state[_MANIFEST] = _manifest(dtype, gguf)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError:
@@ -101,13 +87,10 @@ def load_prepared(args: ModelArgs, path: Path, dtype: torch.dtype, gguf: Path) -
     with torch.device("meta"):
         model = ARCHITECTURES[args.architecture](args)
     try:
-        for name, (kind, out_features, in_features, has_bias) in manifest["modules"].items():
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, _KINDS[kind].shell(out_features, in_features, has_bias, dtype))
         model.load_state_dict(state, strict=True, assign=True)
     except (KeyError, ValueError, RuntimeError, TypeError, AttributeError):
         return None
-    if args.tie_word_embeddings and "lm_head" not in manifest["modules"]:
+    if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for p in model.parameters():
         p.requires_grad_(False)
