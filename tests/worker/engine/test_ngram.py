@@ -173,3 +173,45 @@ def test_configuration_errors_name_the_flag(tiny_model_factory):
         parse_args(["--n_draft", "3"])
     options = parse_args(["--speculative", "ngram", "--n_draft", "3"])
     assert options.config.speculative == "ngram" and options.config.n_draft == 3
+
+
+def test_greedy_drafting_and_batching_equal_plain_decoding_on_the_default_quantized_model(tmp_path_factory):
+    # The bundled SmolLM2 in its default configuration (bfloat16, GGUF blocks in the native step):
+    # 8 sessions decoding together with n-gram drafts verified in chunks, beside a late joiner whose
+    # prompt prefills in chunks (passes that mix dense prefill rows with native decode rows), each
+    # produce exactly the tokens the session produces decoding alone without drafts.
+    from helpers.gguf_files import converted_smollm
+
+    d = converted_smollm(tmp_path_factory.getbasetemp())
+
+    def engine(speculative):
+        config = EngineConfig(
+            max_sessions=9,
+            max_session_tokens=512,
+            prefill_chunk_tokens=48,
+            n_draft=N_DRAFT if speculative else 0,
+            speculative=speculative,
+        )
+        return load_engine(d, config, device="cpu", dtype="bfloat16", progress=None)
+
+    drafting, plain = engine("ngram"), engine(None)
+    assert drafting.executor.native is not None  # the configuration under test
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    prompts = [drafting.tokenizer.encode(f"# file {i}\n" + code * (1 + i % 3) + "def mul(a, b):") for i in range(8)]
+    late = drafting.tokenizer.encode("Write the word hello ten times: hello hello hello" * 6)
+    want = {}
+    for i, ids in enumerate([*prompts, late]):  # each session alone, plain decoding
+        plain.open_session(f"s{i}")
+        plain.submit(i + 1, f"s{i}", ids, greedy(40))
+        want.update({rid: res["generated_token_ids"] for rid, (_, res) in run(plain).items()})
+        plain.close_session(f"s{i}")
+    for i, ids in enumerate(prompts):
+        drafting.open_session(f"s{i}")
+        drafting.submit(i + 1, f"s{i}", ids, greedy(40))
+    for _ in range(4):
+        drafting.step()
+    drafting.open_session("s8")
+    drafting.submit(9, "s8", late, greedy(40))
+    results = {rid: res for rid, (_, res) in run(drafting).items()}
+    assert {rid: res["generated_token_ids"] for rid, res in results.items()} == want
+    assert sum(res["draft_accepted_tokens"] for res in results.values()) > 0
