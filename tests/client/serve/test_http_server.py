@@ -357,10 +357,18 @@ def test_requests_beyond_the_slots_queue_then_get_429(tmp_path):
     args += ["--max-queued-requests", "2", "--queue-timeout", "60"]
     with ServerProcess(args, log_path=tmp_path / "serve.log") as server:
         client = _client(server)
+        # It runs and holds the only slot until closed: past the end of turn, for longer than the
+        # test takes at any decode speed (400 tokens took 2 s once decoding got faster).
         long = client.chat.completions.create(
-            model=server.model, messages=QUESTION, max_tokens=400, temperature=1, stream=True, seed=3
+            model=server.model,
+            messages=QUESTION,
+            max_tokens=1800,
+            temperature=1,
+            stream=True,
+            seed=3,
+            extra_body={"ignore_eos": True},
         )
-        next(iter(long))  # it runs and holds the only slot
+        next(iter(long))
 
         def ask(_: int) -> int:
             try:

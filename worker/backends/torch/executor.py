@@ -200,17 +200,31 @@ class TorchExecutor:
         native = self.native
         if native is None:
             return self._torch_forward(tokens, positions, spans, logits_rows)
-        short = [s for s in spans if s.length <= native.max_rows]
-        if len(short) == len(spans):
-            return torch.from_numpy(native.forward(tokens, positions, spans, logits_rows))
-        # A mixed pass: long prompt chunks run dense in torch, repacked; the short spans natively.
-        # Each reads and writes only its own sessions' cache rows, so the order does not matter.
-        long = [s for s in spans if s.length > native.max_rows]
+        # Short spans take the native step, and so does the tail of a long prompt chunk from its
+        # first logits row on (when that tail is short): the row a first token is sampled from is
+        # computed the same way whether its prompt was prefilled whole, in chunks, or reused from
+        # an earlier turn with only its last token fed again.
+        wanted = sorted(logits_rows)
+        short: list[SeqSpan] = []
+        long: list[SeqSpan] = []
+        for s in spans:
+            if s.length <= native.max_rows:
+                short.append(s)
+                continue
+            first = next((r for r in wanted if s.offset <= r < s.offset + s.length), None)
+            tail = s.offset + s.length - first if first is not None else 0
+            if 0 < tail <= native.max_rows:
+                head = s.length - tail
+                long.append(SeqSpan(s.slot, s.start, head, s.offset))
+                short.append(SeqSpan(s.slot, s.start + head, tail, s.offset + head))
+            else:
+                long.append(s)
+        if not long:
+            return torch.from_numpy(native.forward(tokens, positions, short, logits_rows))
+        # Long prompt chunks run dense in torch first, repacked (a split chunk's tail reads the rows
+        # its head wrote); then the short spans, natively.
         in_short = {r for s in short for r in range(s.offset, s.offset + s.length)}
         out = torch.empty(len(logits_rows), self.args.vocab_size, dtype=torch.float32)
-        picked = [i for i, r in enumerate(logits_rows) if r in in_short]
-        if short:
-            out[picked] = torch.from_numpy(native.forward(tokens, positions, short, [logits_rows[i] for i in picked]))
         rows: list[int] = []
         repacked = []
         for s in long:
@@ -218,9 +232,13 @@ class TorchExecutor:
             rows.extend(range(s.offset, s.offset + s.length))
         new_row = {r: i for i, r in enumerate(rows)}
         rest = [i for i, r in enumerate(logits_rows) if r not in in_short]
-        out[rest] = self._torch_forward(
+        dense = self._torch_forward(
             [tokens[r] for r in rows], [positions[r] for r in rows], repacked, [new_row[logits_rows[i]] for i in rest]
         )
+        out[rest] = dense
+        picked = [i for i, r in enumerate(logits_rows) if r in in_short]
+        if short:
+            out[picked] = torch.from_numpy(native.forward(tokens, positions, short, [logits_rows[i] for i in picked]))
         return out
 
     def _torch_forward(
