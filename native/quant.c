@@ -123,8 +123,10 @@ static float mux_expf(float x) {
 
 typedef struct {
     void (*rowdot)(int t, const uint8_t *row, int nsub, const mux_q8 *const *a, int M, float *out);
-    void (*scores)(const float *q, int G, const void *k, int d, int bf16, float *out, int stride);
-    void (*axpy)(float *o, int G, const float *p, int stride, const void *v, int d, int bf16);
+    void (*scores)(const float *q, int G, const char *kb, size_t row, int c0, int n, int capacity, int d, int bf16,
+                   float *s);
+    void (*values)(float *o, const float *p, int n, const char *vb, size_t row, int c0, int capacity, int d,
+                   int bf16);
     float (*exp_sum)(float *x, int n, float mx);
 } mux_isa;
 
@@ -214,17 +216,26 @@ static inline float load1(const void *p, int i, int bf16) {
     return f;
 }
 
-static void scores_portable(const float *q, int G, const void *k, int d, int bf16, float *out, int stride) {
-    for (int h = 0; h < G; h++) {
-        float acc = 0.0f;
-        for (int i = 0; i < d; i++) acc += q[h * d + i] * load1(k, i, bf16);
-        out[h * stride] = acc;
+/* s[h * n + t] = dot(q + h * d, key row of position c0 + t) for G heads and n keys. */
+static void scores_portable(const float *q, int G, const char *kb, size_t row, int c0, int n, int capacity, int d,
+                            int bf16, float *s) {
+    for (int t = 0; t < n; t++) {
+        const char *k = kb + (size_t)((c0 + t) % capacity) * row;
+        for (int h = 0; h < G; h++) {
+            float acc = 0.0f;
+            for (int i = 0; i < d; i++) acc += q[h * d + i] * load1(k, i, bf16);
+            s[h * n + t] = acc;
+        }
     }
 }
 
-static void axpy_portable(float *o, int G, const float *p, int stride, const void *v, int d, int bf16) {
-    for (int h = 0; h < G; h++)
-        for (int i = 0; i < d; i++) o[h * d + i] += p[h * stride] * load1(v, i, bf16);
+/* o[0:d] = sum over t < n of p[t] times the value row of position c0 + t (ring row (c0 + t) % capacity). */
+static void values_portable(float *o, const float *p, int n, const char *vb, size_t row, int c0, int capacity, int d,
+                            int bf16) {
+    for (int t = 0; t < n; t++) {
+        const char *v = vb + (size_t)((c0 + t) % capacity) * row;
+        for (int i = 0; i < d; i++) o[i] += p[t] * load1(v, i, bf16);
+    }
 }
 
 static float exp_sum_portable(float *x, int n, float mx) {
@@ -236,7 +247,7 @@ static float exp_sum_portable(float *x, int n, float mx) {
     return s;
 }
 
-static const mux_isa portable_isa = {rowdot_portable, scores_portable, axpy_portable, exp_sum_portable};
+static const mux_isa portable_isa = {rowdot_portable, scores_portable, values_portable, exp_sum_portable};
 
 #if MUX_X86
 #define TGT __attribute__((target("avx2,fma,f16c")))
@@ -580,46 +591,83 @@ static void store_row(void *dst, const float *src, int d, int bf16) {
     for (int i = 0; i < d; i++) o[i] = f32_to_bf16(src[i]);
 }
 
+/* Attention is split over fixed chunks of MUX_KEY_CHUNK keys (never over anything that depends on
+ * the batch or the threads), each chunk's softmax kept unnormalized with its own max and sum, and
+ * the chunks merged in order: a row's result is the same whatever else the pass holds, and one
+ * long row's keys spread over every thread (a single decode has only KV heads to split). */
+#define MUX_KEY_CHUNK 256
+
 typedef struct {
     const mux_model *m;
     const mux_layer *L;
     const float *qkv; /* [n, (H + 2KV) D], q after rope */
-    float *out; /* [n, H D] */
     const int32_t *pos, *slot;
-    float *scratch; /* per thread: G * max_len floats */
-    int64_t scratch_per_thread;
+    const int32_t *task_row; /* first task of each row, n + 1 entries */
+    float *part; /* per task: G * (D + 2) floats: unnormalized outputs, then G maxima, G sums */
+    float *scratch; /* per thread: G * MUX_KEY_CHUNK floats */
     const mux_isa *isa;
 } attn_job;
+
+static inline int first_key(const mux_layer *L, int p) {
+    return L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+}
 
 static void attn_task(void *ctx, int task, int thread) {
     attn_job *j = ctx;
     const mux_model *m = j->m;
     const mux_layer *L = j->L;
     int kvh = m->n_kv, d = m->head_dim, G = m->n_heads / kvh, bf16 = m->cache_bf16;
-    int i = task / kvh, g = task % kvh;
-    int p = j->pos[i];
-    int lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-    int n = p - lo + 1;
-    size_t es = bf16 ? 2 : 4;
+    int i = 0;
+    while (task >= j->task_row[i + 1]) i++;
+    int local = task - j->task_row[i], chunks = (local / kvh), g = local % kvh;
+    int p = j->pos[i], lo = first_key(L, p);
+    int c0 = lo + chunks * MUX_KEY_CHUNK, c1 = c0 + MUX_KEY_CHUNK < p + 1 ? c0 + MUX_KEY_CHUNK : p + 1;
+    int n = c1 - c0;
+    size_t es = bf16 ? 2 : 4, row = (size_t)d * es;
     const float *q = j->qkv + (int64_t)i * (m->n_heads + 2 * kvh) * d + g * G * d;
     const char *kb = (const char *)L->k_cache + ((int64_t)j->slot[i] * L->slot_stride + g * L->head_stride) * es;
     const char *vb = (const char *)L->v_cache + ((int64_t)j->slot[i] * L->slot_stride + g * L->head_stride) * es;
-    float *s = j->scratch + thread * j->scratch_per_thread; /* [G, n] */
-    for (int t = 0; t < n; t++) j->isa->scores(q, G, kb + (size_t)((lo + t) % L->capacity) * d * es, d, bf16, s + t, n);
-    float *o = j->out + (int64_t)i * m->n_heads * d + g * G * d;
+    float *s = j->scratch + (size_t)thread * G * MUX_KEY_CHUNK; /* [G, n] */
+    j->isa->scores(q, G, kb, row, c0, n, L->capacity, d, bf16, s);
+    float *o = j->part + (size_t)task * G * (d + 2), *mx = o + G * d, *sum = mx + G;
     memset(o, 0, sizeof(float) * (size_t)(G * d));
-    float inv[64];
     for (int h = 0; h < G; h++) {
-        float *sh = s + h * n, mx = -INFINITY;
+        float *sh = s + h * n, top = -INFINITY;
         for (int t = 0; t < n; t++) {
             sh[t] *= m->attn_scale;
-            mx = sh[t] > mx ? sh[t] : mx;
+            top = sh[t] > top ? sh[t] : top;
         }
-        inv[h] = 1.0f / j->isa->exp_sum(sh, n, mx);
+        mx[h] = top;
+        sum[h] = j->isa->exp_sum(sh, n, top);
+        j->isa->values(o + h * d, sh, n, vb, row, c0, L->capacity, d, bf16);
     }
-    for (int t = 0; t < n; t++) j->isa->axpy(o, G, s + t, n, vb + (size_t)((lo + t) % L->capacity) * d * es, d, bf16);
-    for (int h = 0; h < G; h++)
-        for (int e = 0; e < d; e++) o[h * d + e] *= inv[h];
+}
+
+/* out[i] = the chunks of row i merged in order: o = sum_c o_c e^(m_c - M) / sum_c s_c e^(m_c - M). */
+static void attn_merge(const attn_job *j, int n, float *out) {
+    const mux_model *m = j->m;
+    int kvh = m->n_kv, d = m->head_dim, G = m->n_heads / kvh;
+    for (int i = 0; i < n; i++) {
+        int chunks = (j->task_row[i + 1] - j->task_row[i]) / kvh;
+        for (int g = 0; g < kvh; g++)
+            for (int h = 0; h < G; h++) {
+                float top = -INFINITY, total = 0.0f;
+                for (int c = 0; c < chunks; c++) {
+                    const float *part = j->part + (size_t)(j->task_row[i] + c * kvh + g) * G * (d + 2);
+                    top = part[G * d + h] > top ? part[G * d + h] : top;
+                }
+                float *o = out + (int64_t)i * m->n_heads * d + (g * G + h) * d;
+                memset(o, 0, sizeof(float) * (size_t)d);
+                for (int c = 0; c < chunks; c++) {
+                    const float *part = j->part + (size_t)(j->task_row[i] + c * kvh + g) * G * (d + 2);
+                    float w = mux_expf(part[G * d + h] - top);
+                    total += part[G * d + G + h] * w;
+                    for (int e = 0; e < d; e++) o[e] += part[h * d + e] * w;
+                }
+                float inv = 1.0f / total;
+                for (int e = 0; e < d; e++) o[e] *= inv;
+            }
+    }
 }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -633,18 +681,19 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
     if (n < 1 || n > MUX_MAX_M || n_logits < 0 || n_logits > n) return -1;
     int C = m->hidden, H = m->n_heads, KV = m->n_kv, D = m->head_dim, F = m->inter;
     if (C % 32 || F % 32 || (H * D) % 32 || D % 8 || H % KV || H / KV > 64) return -1;
-    int max_len = 1;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++)
         if (pos[i] < 0 || pos[i] >= m->max_pos) return -4;
-        if (pos[i] + 1 > max_len) max_len = pos[i] + 1;
-    }
     const mux_isa *isa = isa_of(mux_q_isa());
     int QKV = (H + 2 * KV) * D, wide = F > C ? F : C;
     wide = wide > H * D ? wide : H * D;
     size_t floats = (size_t)n * (C + QKV + H * D + 2 * F + C);
     int G = H / KV;
-    int64_t per_thread = (int64_t)G * max_len;
-    float *buf = malloc(sizeof(float) * (floats + (size_t)per_thread * pool.n));
+    /* Attention tasks: (row, key chunk, KV head); room for their partial results (as if no layer had
+     * a window) and per-thread scores. */
+    size_t tasks = 0;
+    for (int i = 0; i < n; i++) tasks += (size_t)((pos[i] + MUX_KEY_CHUNK) / MUX_KEY_CHUNK) * KV;
+    size_t part_floats = tasks * G * (D + 2), scratch_floats = (size_t)pool.n * G * MUX_KEY_CHUNK;
+    float *buf = malloc(sizeof(float) * (floats + part_floats + scratch_floats));
     mux_q8 *qa = malloc(sizeof(mux_q8) * (size_t)n * (wide / 32));
     if (!buf || !qa) {
         free(buf);
@@ -652,7 +701,7 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
         return -3;
     }
     float *h = buf, *qkv = h + n * C, *att = qkv + (size_t)n * QKV, *gu = att + (size_t)n * H * D;
-    float *tmp = gu + (size_t)n * 2 * F, *scratch = tmp + (size_t)n * C;
+    float *tmp = gu + (size_t)n * 2 * F, *part = tmp + (size_t)n * C, *scratch = part + part_floats;
     const mux_q8 *rows[MUX_MAX_M];
     int rc = 0;
 #define QUANT(src, k, ld)                                                   \
@@ -685,8 +734,15 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
                 store_row((char *)L->v_cache + off * es, r + (H + KV + g) * D, D, m->cache_bf16);
             }
         }
-        attn_job aj = {m, L, qkv, att, pos, slot, scratch, per_thread, isa};
-        pool_run(attn_task, &aj, n * KV);
+        int32_t tr[MUX_MAX_M + 1];
+        tr[0] = 0;
+        for (int i = 0; i < n; i++) {
+            int keys = pos[i] + 1 - first_key(L, pos[i]);
+            tr[i + 1] = tr[i] + ((keys + MUX_KEY_CHUNK - 1) / MUX_KEY_CHUNK) * KV;
+        }
+        attn_job aj = {m, L, qkv, pos, slot, tr, part, scratch, isa};
+        pool_run(attn_task, &aj, tr[n]);
+        attn_merge(&aj, n, att);
         QUANT(att, H * D, H * D);
         mux_qweight wo = L->o;
         if ((rc = matmul_q8(&wo, 1, H * D, rows, n, tmp, C))) break;

@@ -186,25 +186,81 @@ TGT static inline __m256 NS(load8)(const void *p, int bf16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-/* scores[h] = dot(q + h*d, k) for G heads against one key row (d a multiple of 8). */
-TGT static void NS(scores)(const float *q, int G, const void *k, int d, int bf16, float *out, int stride) {
+/* The eight lane sums of a0..a7, in order. */
+TGT static inline __m256 NS(hsum8)(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                   __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* s[h * n + t] = dot(q + h * d, key row of position c0 + t) for G heads and n keys: eight keys at a
+ * time per head, their sums reduced together. */
+TGT static void NS(scores)(const float *q, int G, const char *kb, size_t row, int c0, int n, int capacity, int d,
+                           int bf16, float *s) {
     size_t es = bf16 ? 2 : 4;
     for (int h = 0; h < G; h++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), NS(load8)((const char *)k + i * es, bf16), acc);
-        out[h * stride] = NS(hsum)(acc);
+        const float *qh = q + h * d;
+        int t = 0;
+        for (; t + 8 <= n; t += 8) {
+            __m256 acc[8];
+            const char *k[8];
+            for (int u = 0; u < 8; u++) {
+                acc[u] = _mm256_setzero_ps();
+                k[u] = kb + (size_t)((c0 + t + u) % capacity) * row;
+            }
+            for (int i = 0; i < d; i += 8) {
+                __m256 qv = _mm256_loadu_ps(qh + i);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, NS(load8)(k[u] + i * es, bf16), acc[u]);
+            }
+            _mm256_storeu_ps(s + h * n + t,
+                             NS(hsum8)(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
+        }
+        for (; t < n; t++) {
+            const char *k = kb + (size_t)((c0 + t) % capacity) * row;
+            __m256 acc = _mm256_setzero_ps();
+            for (int i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), NS(load8)(k + i * es, bf16), acc);
+            s[h * n + t] = NS(hsum)(acc);
+        }
     }
 }
 
-/* o[h] += p[h * stride] * v for G heads. */
-TGT static void NS(axpy)(float *o, int G, const float *p, int stride, const void *v, int d, int bf16) {
+/* o[0:D] += sum over t < n of p[t] times value row (c0 + t) % capacity, the D/8 accumulators kept
+ * in registers across the keys (D a constant once inlined). */
+TGT static inline __attribute__((always_inline)) void NS(values_d)(const int D, float *o, const float *p, int n,
+                                                                  const char *vb, size_t row, int c0, int capacity,
+                                                                  int bf16) {
+    __m256 acc[16];
+    for (int i = 0; i < D / 8; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
     size_t es = bf16 ? 2 : 4;
-    for (int i = 0; i < d; i += 8) {
-        __m256 vv = NS(load8)((const char *)v + i * es, bf16);
-        for (int h = 0; h < G; h++) {
-            float *oh = o + h * d + i;
-            _mm256_storeu_ps(oh, _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride]), vv, _mm256_loadu_ps(oh)));
+    for (int t = 0; t < n; t++) {
+        const char *v = vb + (size_t)((c0 + t) % capacity) * row;
+        __m256 w = _mm256_set1_ps(p[t]);
+        for (int i = 0; i < D / 8; i++) acc[i] = _mm256_fmadd_ps(w, NS(load8)(v + 8 * i * es, bf16), acc[i]);
+    }
+    for (int i = 0; i < D / 8; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
+}
+
+TGT static void NS(values)(float *o, const float *p, int n, const char *vb, size_t row, int c0, int capacity, int d,
+                           int bf16) {
+    if (d == 64) {
+        NS(values_d)(64, o, p, n, vb, row, c0, capacity, bf16);
+    } else if (d == 128) {
+        NS(values_d)(128, o, p, n, vb, row, c0, capacity, bf16);
+    } else {
+        for (int i = 0; i < d; i += 64) {
+            int w = d - i < 64 ? d - i : 64;
+            if (w == 64) {
+                NS(values_d)(64, o + i, p, n, vb + (size_t)i * (bf16 ? 2 : 4), row, c0, capacity, bf16);
+            } else {
+                size_t es = bf16 ? 2 : 4;
+                for (int t = 0; t < n; t++) {
+                    const char *v = vb + (size_t)((c0 + t) % capacity) * row + (size_t)i * es;
+                    for (int e = 0; e < w; e += 8)
+                        _mm256_storeu_ps(o + i + e, _mm256_fmadd_ps(_mm256_set1_ps(p[t]), NS(load8)(v + e * es, bf16),
+                                                                    _mm256_loadu_ps(o + i + e)));
+                }
+            }
         }
     }
 }
@@ -240,4 +296,4 @@ TGT static float NS(exp_sum)(float *x, int n, float mx) {
     return s;
 }
 
-static const mux_isa NS(isa) = {NS(rowdot), NS(scores), NS(axpy), NS(exp_sum)};
+static const mux_isa NS(isa) = {NS(rowdot), NS(scores), NS(values), NS(exp_sum)};

@@ -186,3 +186,15 @@ def test_prepared_weights_are_cached_and_reload_to_the_same_model(tmp_path: Path
     damaged, _ = _load(d, "bfloat16", "quantized")
     assert torch.equal(_logits(damaged, args, IDS), _logits(first, args, IDS))
     assert cache.stat().st_size > 1000
+
+
+def test_attention_over_many_key_chunks_agrees_with_the_dense_path(tiny_llama_dir: Path) -> None:
+    # 700 keys: the native step attends in chunks of 256 and merges them (quant.c, MUX_KEY_CHUNK).
+    model, _ = _load(tiny_llama_dir, "float32", quantize="int8")
+    native, dense = TorchExecutor(model, 1, 1024), TorchExecutor(model, 1, 1024)
+    dense.native = None
+    prompt = torch.randint(3, 384, (700,), generator=torch.Generator().manual_seed(1)).tolist()
+    got_tokens, got = _decode(native, 0, prompt, 4)
+    want_tokens, want = _decode(dense, 0, prompt, 4)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() < 0.03 * b.abs().max()
