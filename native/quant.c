@@ -62,6 +62,13 @@ typedef struct {
     int8_t q[32];
 } mux_q8;
 
+/* One activation row: nsub mux_q8 blocks, then its scales d[nsub] and d times each block's sum
+ * dsum[nsub] as plain float arrays (the SIMD products load eight blocks' at once). In mux_q8 units. */
+#define Q8_ROW(nsub) ((size_t)(nsub) + ((size_t)(nsub) * 2 * sizeof(float) + sizeof(mux_q8) - 1) / sizeof(mux_q8))
+
+static inline const float *q8_d(const mux_q8 *row, int nsub) { return (const float *)(row + nsub); }
+static inline const float *q8_dsum(const mux_q8 *row, int nsub) { return (const float *)(row + nsub) + nsub; }
+
 typedef struct {
     float scale, bias;
     int h0, h1;
@@ -312,6 +319,8 @@ int mux_q_isa(void) {
 /* ---- activation quantization (portable only: the int8 values must not depend on the ISA) ---- */
 
 static void quantize_row(const float *x, int64_t k, mux_q8 *out) {
+    int nsub = (int)(k / 32);
+    float *dv = (float *)(out + nsub), *dsum = dv + nsub;
     for (int64_t b = 0; b < k / 32; b++) {
         const float *v = x + b * 32;
         float amax = 0.0f;
@@ -327,6 +336,8 @@ static void quantize_row(const float *x, int64_t k, mux_q8 *out) {
         out[b].d = d;
         out[b].ds[0] = d * (float)s0;
         out[b].ds[1] = d * (float)s1;
+        dv[b] = d;
+        dsum[b] = d * (float)(s0 + s1);
     }
 }
 
@@ -523,12 +534,12 @@ static int matmul_q8(const mux_qweight *w, int nw, int64_t k, const mux_q8 *cons
  * per block of 32 first. Returns 0, or < 0 for a bad argument (-2: a type or size it cannot do). */
 int mux_qmatmul(const mux_qweight *w, int nw, int64_t k, const float *x, int M, float *y, int64_t ldy) {
     if (M < 1 || M > MUX_MAX_M || k < 32 || k % 32) return -1;
-    mux_q8 *q = malloc(sizeof(mux_q8) * (size_t)(k / 32) * (size_t)M);
+    mux_q8 *q = malloc(sizeof(mux_q8) * Q8_ROW(k / 32) * (size_t)M);
     if (!q) return -3;
     const mux_q8 *rows[MUX_MAX_M];
     for (int m = 0; m < M; m++) {
-        quantize_row(x + m * k, k, q + m * (k / 32));
-        rows[m] = q + m * (k / 32);
+        quantize_row(x + m * k, k, q + m * Q8_ROW(k / 32));
+        rows[m] = q + m * Q8_ROW(k / 32);
     }
     int rc = matmul_q8(w, nw, k, rows, M, y, ldy);
     free(q);
@@ -694,7 +705,7 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
     for (int i = 0; i < n; i++) tasks += (size_t)((pos[i] + MUX_KEY_CHUNK) / MUX_KEY_CHUNK) * KV;
     size_t part_floats = tasks * G * (D + 2), scratch_floats = (size_t)pool.n * G * MUX_KEY_CHUNK;
     float *buf = malloc(sizeof(float) * (floats + part_floats + scratch_floats));
-    mux_q8 *qa = malloc(sizeof(mux_q8) * (size_t)n * (wide / 32));
+    mux_q8 *qa = malloc(sizeof(mux_q8) * (size_t)n * Q8_ROW(wide / 32));
     if (!buf || !qa) {
         free(buf);
         free(qa);
@@ -706,8 +717,8 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
     int rc = 0;
 #define QUANT(src, k, ld)                                                   \
     for (int i = 0; i < n; i++) {                                           \
-        quantize_row((src) + (int64_t)i * (ld), (k), qa + (int64_t)i * ((k) / 32)); \
-        rows[i] = qa + (int64_t)i * ((k) / 32);                             \
+        quantize_row((src) + (int64_t)i * (ld), (k), qa + (int64_t)i * Q8_ROW((k) / 32)); \
+        rows[i] = qa + (int64_t)i * Q8_ROW((k) / 32);                             \
     }
     for (int l = 0; l < m->n_layers && !rc; l++) {
         const mux_layer *L = m->layers + l;
@@ -769,8 +780,8 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
         }
         if (!rc) {
             for (int i = 0; i < n_logits; i++) {
-                quantize_row(h + (int64_t)i * C, C, qa + (int64_t)i * (C / 32));
-                rows[i] = qa + (int64_t)i * (C / 32);
+                quantize_row(h + (int64_t)i * C, C, qa + (int64_t)i * Q8_ROW(C / 32));
+                rows[i] = qa + (int64_t)i * Q8_ROW(C / 32);
             }
             mux_qweight wh = m->head;
             rc = matmul_q8(&wh, 1, C, rows, n_logits, logits, m->vocab);

@@ -122,25 +122,67 @@ TGT static inline __attribute__((always_inline)) void NS(sub_dot)(const int t, c
     }
 }
 
-/* out[m] = dot(weight row, activation row m) for m < M, with t and M constants once inlined. Even
- * and odd sub-blocks accumulate apart (two dependency chains, not one). Each row's sum takes the
- * same operations in the same order whatever M is (explicit FMAs, so no contraction choice differs
- * between instantiations): a row's result does not depend on what it is batched with. */
+/* The eight lane sums of int32 vectors p0..p7, in order. */
+TGT static inline __m256i NS(hsum8i)(const __m256i *p) {
+    __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+}
+
+/* out[m] = dot(weight row, activation row m) for m < M, with t and M constants once inlined.
+ *
+ * Eight sub-blocks at a time (all types but Q6_K): their eight integer dot products are reduced
+ * together into one vector of eight block sums, which is converted and scaled by the eight weight
+ * scales times the eight activation scales in one multiply-add, and the bias terms likewise: a
+ * few instructions per block instead of a conversion, a broadcast and scalar arithmetic each. The
+ * remaining sub-blocks (and Q6_K, whose halves carry their own scales) go one at a time, even and
+ * odd apart. Each row's sum takes the same operations in the same order whatever M is (explicit
+ * FMAs, so no contraction choice differs between instantiations): a row's result does not depend
+ * on what it is batched with. */
 TGT static inline __attribute__((always_inline)) void NS(rowdot_body)(const int t, const int M, const uint8_t *row,
                                                                       int nsub, const mux_q8 *const *a, float *out) {
-    __m256 acc0[4], acc1[4];
+    __m256 acc0[4], acc1[4], vacc[4], vbias[4];
     float bacc0[4], bacc1[4];
     for (int m = 0; m < M; m++) {
-        acc0[m] = acc1[m] = _mm256_setzero_ps();
+        acc0[m] = acc1[m] = vacc[m] = vbias[m] = _mm256_setzero_ps();
         bacc0[m] = bacc1[m] = 0.0f;
     }
+    const int is_signed = t == T_Q8_0, has_bias = t != T_Q8_0;
     int j = 0;
+    if (t != T_Q6_K) {
+        for (; j + 8 <= nsub; j += 8) {
+            __m256i w[8], wu[8];
+            float sc[8], bi[8];
+            for (int u = 0; u < 8; u++) {
+                mux_sub s;
+                w[u] = NS(unpack)(t, row, j + u, &s);
+                wu[u] = is_signed ? _mm256_sign_epi8(w[u], w[u]) : w[u];
+                sc[u] = s.scale;
+                bi[u] = s.bias;
+            }
+            __m256 scv = _mm256_loadu_ps(sc), biv = _mm256_loadu_ps(bi);
+            for (int m = 0; m < M; m++) {
+                const mux_q8 *b = a[m] + j;
+                __m256i p[8];
+                for (int u = 0; u < 8; u++) {
+                    __m256i av = _mm256_loadu_si256((const __m256i *)b[u].q);
+                    if (is_signed) av = _mm256_sign_epi8(av, w[u]);
+                    p[u] = DOT_U8(wu[u], av);
+                }
+                __m256 dv = _mm256_loadu_ps(q8_d(a[m], nsub) + j);
+                vacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NS(hsum8i)(p)), _mm256_mul_ps(scv, dv), vacc[m]);
+                if (has_bias) vbias[m] = _mm256_fmadd_ps(biv, _mm256_loadu_ps(q8_dsum(a[m], nsub) + j), vbias[m]);
+            }
+        }
+    }
     for (; j + 2 <= nsub; j += 2) {
         NS(sub_dot)(t, M, row, j, a, acc0, bacc0);
         NS(sub_dot)(t, M, row, j + 1, a, acc1, bacc1);
     }
     if (j < nsub) NS(sub_dot)(t, M, row, j, a, acc0, bacc0);
-    for (int m = 0; m < M; m++) out[m] = NS(hsum)(_mm256_add_ps(acc0[m], acc1[m])) + (bacc0[m] + bacc1[m]);
+    for (int m = 0; m < M; m++)
+        out[m] = NS(hsum)(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), _mm256_add_ps(vacc[m], vbias[m]))) +
+                 (bacc0[m] + bacc1[m]);
 }
 
 #define ROWDOT(T)                                                                                          \
