@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from muxworker.worker.backends.interface import SeqSpan
 from muxworker.worker.backends.torch.batch import DecodeBatch
@@ -107,27 +106,43 @@ class Attention(nn.Module):
             qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             ks = kv.k.unsqueeze(0)  # [1, KV, L, D]
             vs = kv.v.unsqueeze(0)
-            mask: torch.Tensor | CausalBias | None = None
+            mask: torch.Tensor | None = None
             causal = False
             if kv.lo == s.start == 0 and (self.window is None or s.length <= self.window):
                 causal = True
-            elif kv.lo == 0 and (self.window is None or ks.shape[2] <= self.window):
-                # A chunk after earlier positions, no window in reach: causal from the bottom right,
-                # which SDPA runs without materializing a mask.
-                mask = causal_lower_right(s.length, ks.shape[2])
             else:
-                qpos = torch.arange(s.start, s.start + s.length, device=x.device).unsqueeze(1)
-                kpos = torch.arange(kv.lo, kv.lo + ks.shape[2], device=x.device).unsqueeze(0)
-                visible = kpos <= qpos
-                if self.window is not None:
-                    visible &= kpos > qpos - self.window
-                # Additive, in the activations' dtype: SDPA on CPU runs 15% faster than with a bool mask.
-                mask = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
+                # A chunk after earlier positions, or within a window: an additive mask in the
+                # activations' dtype (SDPA on CPU runs 15% faster than with a bool mask), built once
+                # per forward and shared by the layers. (torch's causal_lower_right bias would
+                # materialize the same mask with GQA on CPU, and importing it imports torch._dynamo:
+                # 1.2 s of a start.)
+                mask = _chunk_mask(s.start, s.length, kv.lo, ks.shape[2], self.window, q.dtype, x.device)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
             )
             out[span] = o[0].transpose(0, 1)  # [T, H, D]
         return self.o_proj(out.view(n, h * self.head_dim))
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}  # this forward's chunk masks (Transformer.forward clears it)
+
+
+def _chunk_mask(
+    start: int, length: int, lo: int, keys: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[T, L] additive mask of a chunk at positions [start, start + T) over keys [lo, lo + L): 0 where
+    visible (causal, within the window), -inf elsewhere."""
+    key = (start, length, lo, keys, window, dtype, device)
+    mask = _MASKS.get(key)
+    if mask is None:
+        qpos = torch.arange(start, start + length, device=device).unsqueeze(1)
+        kpos = torch.arange(lo, lo + keys, device=device).unsqueeze(0)
+        visible = kpos <= qpos
+        if window is not None:
+            visible &= kpos > qpos - window
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        _MASKS[key] = mask
+    return mask
 
 
 #: Prefill chunks of at most this many rows, after earlier positions, attend with _chunk_attention
@@ -276,6 +291,7 @@ class Transformer(nn.Module):
         if tokens.ndim != 1 or tokens.shape != positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be equal 1-D")
         cos, sin = self._cos[positions], self._sin[positions]
+        _MASKS.clear()
         x = self.model.embed_tokens(tokens)  # [N, C]
         decode = DecodeBatch.of(spans, tokens.device)
         for layer in self.model.layers:
