@@ -18,13 +18,17 @@ import argparse
 import json
 import time
 
-import jsonschema
-import torch
+from muxworker.worker import passive_openmp
 
-from muxworker.client.serve.tools import GENERIC, Tool, ToolRequest
-from muxworker.worker.build import load_engine
-from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.engine.sampling import SamplingParams
+passive_openmp()  # as the worker process does, before torch loads libgomp
+
+import jsonschema  # noqa: E402
+import torch  # noqa: E402
+
+from muxworker.client.serve.tools import GENERIC, Tool, ToolRequest  # noqa: E402
+from muxworker.worker.build import load_engine  # noqa: E402
+from muxworker.worker.engine.config import EngineConfig  # noqa: E402
+from muxworker.worker.engine.sampling import SamplingParams  # noqa: E402
 
 LONG = {  # never complete within the token budget: 40 items at least
     "type": "array",

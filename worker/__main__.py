@@ -22,6 +22,9 @@ def _stdout_to_stderr() -> None:
 
 
 if __name__ == "__main__":
+    from muxworker.worker import passive_openmp
+
+    passive_openmp()
     if "--own-process-group" in sys.argv[1:]:  # before anything else, so no signal finds it in the old one
         os.setpgid(0, 0)
     if not {"-h", "--help"} & set(sys.argv[1:]):  # --help is for a person: keep it on stdout
