@@ -283,7 +283,7 @@ async def demo(args: argparse.Namespace) -> int:
     print(f"| checkpoint files | {saved_mib:.1f} MiB, saved in {_ms(save_s)} | - |")
     print(f"| same reply as the session continued without the restart | {'yes' if same else 'NO'} | |")
     # A cold prefill computes the history's KV in one dense pass where the live session decoded it
-    # token by token (with quantized weights, through the int4 kernel), so its reply may differ.
+    # token by token (with quantized weights, through the native step), so its reply may differ.
     print(f"| same reply as the cold session | {'yes' if same_cold else 'no'} | |")
 
     r, c = long_turn.result, long_cold_turn.result

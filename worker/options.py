@@ -113,7 +113,7 @@ _MODEL_FLAGS: _Flags = [
         ("--weights",),
         dict(
             choices=WEIGHTS_CHOICES,
-            help="quantized: a quantized GGUF's Q4_0/Q4_1/Q4_K tensors stay 4-bit and run the int4 CPU kernel; "
+            help="quantized: a quantized GGUF's blocks stay as they are and decode in the native step (CPU); "
             "float: every tensor dequantized to --dtype (exactly the GGUF's values with --dtype float32) "
             "(default: quantized for a GGUF on torch, float otherwise)",
         ),
@@ -122,8 +122,8 @@ _MODEL_FLAGS: _Flags = [
         ("--quantize",),
         dict(
             choices=QUANTIZE_CHOICES,
-            help="quantize a float (Hugging Face) model's linear weights at load: int4 (group 32, min/max; "
-            "the output layer stays dense) or int8 (per output row); torch on cpu (default: none)",
+            help="quantize a float (Hugging Face) model's linear layers and output layer at load: int4 (Q4_1 "
+            "blocks) or int8 (Q8_0), decoded in the native step; torch on cpu (default: none)",
         ),
     ),
 ]
@@ -256,7 +256,7 @@ def parse_args(argv: Sequence[str]) -> WorkerOptions:
     if ns.quantize is not None and ns.weights is not None:
         raise UsageError("--quantize quantizes a float model at load; it does not combine with --weights")
     if ns.quantize is not None and (ns.backend != "torch" or ns.device != "cpu"):
-        raise UsageError("--quantize runs the int4/int8 CPU kernels: it needs --backend torch --device cpu")
+        raise UsageError("--quantize feeds the native CPU decode step: it needs --backend torch --device cpu")
     if ns.weights == "quantized" and ns.backend != "torch":
         raise UsageError("--weights quantized needs --backend torch (the mlx backend loads float weights)")
     try:

@@ -27,7 +27,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def quantized_engine():
-    """The default path: 4-bit weights through the int4 kernel, bfloat16."""
+    """The default path: GGUF blocks in the native decode step, bfloat16."""
     config = EngineConfig(max_sessions=4, max_session_tokens=1024)
     return load_engine(None, config, dtype="bfloat16", progress=None)
 

@@ -12,8 +12,8 @@ generation_config.json, plus the weights in one of two ways:
   the GGUF exactly. `--dtype bfloat16` halves it at the cost of rounding.
 - ``weights="link"`` (what `resolve_model` caches): no copy at all. The directory links the GGUF
   as model.gguf and records where each tensor lies in it (gguf_tensors.json, see gguf_tensors.py);
-  the worker reads quantized tensors straight from the memory-mapped file, keeping 4-bit weights
-  4-bit or dequantizing them at load (--weights quantized|float).
+  the worker reads quantized tensors straight from the memory-mapped file, keeping their blocks
+  for the native decode step or dequantizing them at load (--weights quantized|float).
 
 Supported: general.architecture "llama" with a byte-level BPE vocabulary (tokenizer.ggml.model
 "gpt2"). Anything else is refused with `UnsupportedGGUFError` rather than converted approximately.

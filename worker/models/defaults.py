@@ -27,11 +27,11 @@ __all__ = [
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # weights, activations and KV; checkpoints use the same names
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
-# quantized: a quantized GGUF's 4-bit tensors stay 4-bit (the int4 kernel); float: every tensor is
-# dequantized to --dtype at load.
+# quantized: a quantized GGUF's blocks stay as they are (the native decode step); float: every
+# tensor is dequantized to --dtype at load.
 WEIGHTS_CHOICES = ("quantized", "float")
-# --quantize: a float model's linear weights quantized at load (int4: group 32 min/max, the output
-# layer kept dense; int8: per output row absmax).
+# --quantize: a float model's linear layers and output layer quantized at load (int4: Q4_1 blocks;
+# int8: Q8_0), by the gguf package's quantizer.
 QUANTIZE_CHOICES = ("int4", "int8")
 
 # CPU flags meaning bfloat16 matmuls run natively (AVX512-BF16 dot products, or AMX tiles).
@@ -87,7 +87,7 @@ def resolve_weights(
 ) -> str:
     """What a worker's weights are, as its hello reports them and a store declares them:
 
-    - "quantized": a converted GGUF's 4-bit tensors kept 4-bit (the default for a GGUF on torch);
+    - "quantized": a converted GGUF's blocks kept as they are (the default for a GGUF on torch);
     - "int4" / "int8": a float model quantized at load (``quantize``);
     - "float": every tensor in --dtype (the default for everything else).
     """
