@@ -398,7 +398,9 @@ async def test_a_consumer_that_stops_reading_gets_slow_consumer_and_others_keep_
 # the bundled SmolLM2-135M-Instruct (slow)
 
 CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
+    # Not "What is the capital of France?": its first greedy token is a near-tie ("The" over "L" by
+    # 0.08 logits in float32), which the native step's int8-rounded activations flip (issue 31).
+    [{"role": "user", "content": "Which city is the capital of France?"}],
     [{"role": "user", "content": "Name three colours of the rainbow."}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}],
     [{"role": "user", "content": "Count from one to five."}],

@@ -221,21 +221,23 @@ class TorchExecutor:
                 long.append(s)
         if not long:
             return torch.from_numpy(native.forward(tokens, positions, short, logits_rows))
-        # Long prompt chunks run dense in torch first, repacked (a split chunk's tail reads the rows
-        # its head wrote); then the short spans, natively.
+        # Long prompt chunks run dense in torch first, each in a forward of its own: a dense
+        # bfloat16 product's rounding depends on how many rows it multiplies, so a chunk batched
+        # with another session's would cache other keys and values than the same chunk alone. A
+        # split chunk's tail (below) reads the rows its head wrote.
         in_short = {r for s in short for r in range(s.offset, s.offset + s.length)}
         out = torch.empty(len(logits_rows), self.args.vocab_size, dtype=torch.float32)
-        rows: list[int] = []
-        repacked = []
         for s in long:
-            repacked.append(SeqSpan(s.slot, s.start, s.length, len(rows)))
-            rows.extend(range(s.offset, s.offset + s.length))
-        new_row = {r: i for i, r in enumerate(rows)}
-        rest = [i for i, r in enumerate(logits_rows) if r not in in_short]
-        dense = self._torch_forward(
-            [tokens[r] for r in rows], [positions[r] for r in rows], repacked, [new_row[logits_rows[i]] for i in rest]
-        )
-        out[rest] = dense
+            mine = [i for i, r in enumerate(logits_rows) if s.offset <= r < s.offset + s.length and r not in in_short]
+            rows = slice(s.offset, s.offset + s.length)
+            dense = self._torch_forward(
+                tokens[rows],
+                positions[rows],
+                [SeqSpan(s.slot, s.start, s.length, 0)],
+                [logits_rows[i] - s.offset for i in mine],
+            )
+            if mine:
+                out[mine] = dense
         picked = [i for i, r in enumerate(logits_rows) if r in in_short]
         if short:
             out[picked] = torch.from_numpy(native.forward(tokens, positions, short, [logits_rows[i] for i in picked]))
