@@ -22,6 +22,7 @@ __all__ = [
     "crc32c",
     "crc32c_implementation",
     "crc32c_software",
+    "fill_qweight",
     "isa",
     "qmatmul",
     "quant_row_bytes",
@@ -128,24 +129,24 @@ def set_isa(level: int) -> None:
         raise ValueError(f"this CPU cannot run the {ISA_NAMES[level] if 0 <= level < 3 else level} kernels")
 
 
-def qweight(blocks, type_name: str, out_offset: int = 0, row_map=None):
-    """A ``mux_qweight`` over ``blocks`` (uint8 [rows, row_bytes], rows in its byte order); the
-    caller keeps ``blocks`` and ``row_map`` (int32 [rows]: output column of each row) alive."""
+def fill_qweight(w, blocks, type_name: str, row_map=None, out_offset: int = 0) -> None:
+    """Point the ``mux_qweight`` ``w`` at ``blocks`` (uint8 [rows, row_bytes], rows in their byte
+    order) of GGUF type ``type_name``; ``row_map`` (int32 [rows]) gives each row's output column.
+    The caller keeps ``blocks`` and ``row_map`` alive as long as ``w`` is used."""
     import numpy as np
 
     if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.strides[1] != 1:
         raise ValueError("weight blocks must be a uint8 [rows, row_bytes] array with contiguous rows")
-    w = _ffi.new("mux_qweight *")
     w.data = _ffi.cast("const uint8_t *", _addr(blocks))
     w.type = QUANT_TYPES[type_name]
     w.rows = blocks.shape[0]
     w.row_bytes = blocks.strides[0]
     w.out_offset = out_offset
+    w.row_map = _ffi.NULL
     if row_map is not None:
         if row_map.dtype != np.int32 or row_map.shape != (blocks.shape[0],) or not row_map.flags.c_contiguous:
             raise ValueError("row_map must be a contiguous int32 array with one entry per row")
         w.row_map = _ffi.cast("const int32_t *", _addr(row_map))
-    return w
 
 
 def _addr(a) -> int:
@@ -166,7 +167,8 @@ def qmatmul(blocks, type_name: str, x, row_map=None):
         raise ValueError(f"{type_name} rows of {k} values need {quant_row_bytes(type_name, k)} bytes")
     n = blocks.shape[0]
     y = np.empty((m, n), dtype=np.float32)
-    w = qweight(blocks, type_name, row_map=row_map)
+    w = _ffi.new("mux_qweight *")
+    fill_qweight(w, blocks, type_name, row_map)
     rc = _lib.mux_qmatmul(w, 1, k, _ffi.cast("const float *", _addr(x)), m, _ffi.cast("float *", _addr(y)), n)
     if rc != 0:
         raise ValueError(f"native product failed ({rc}) for {type_name} [{n}, {k}] x [{m}, {k}]")

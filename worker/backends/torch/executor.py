@@ -80,7 +80,7 @@ def load_model(
             model = build_model(args, state, dtype=dt, device=dev)
             if dev.type == "cpu":
                 save_prepared(model, cache, dt, gguf)
-        model.quantized = _gguf_blocks(index, args)
+        model.quantized = _gguf_blocks(index)
         return model
     if weights == "quantized" and quantize is None:
         raise ValueError(
@@ -111,7 +111,7 @@ def _is_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
-def _gguf_blocks(index: gguf_tensors.GGUFTensorIndex, args: ModelArgs) -> dict[str, QuantBlocks] | None:
+def _gguf_blocks(index: gguf_tensors.GGUFTensorIndex) -> dict[str, QuantBlocks] | None:
     """The GGUF blocks of the linear layers and the output layer (a tied model's is the embedding),
     read in place; None when a linear layer is in a type the native step does not multiply. An
     output layer in another type (F16, F32, ...) is quantized to Q8_0 here, as llama.cpp's
@@ -156,7 +156,7 @@ class TorchExecutor:
         )
         # Short spans (decode, drafts' verification, short prompt chunks) of a quantized model on
         # the CPU run the native step; everything else, and every span of a float model, torch.
-        quantized = getattr(model, "quantized", None)
+        quantized = model.quantized
         self.native_unavailable = unsupported(model, quantized, self.device)
         self.native: NativeStep | None = None
         if self.native_unavailable is None and quantized is not None:
@@ -173,7 +173,7 @@ class TorchExecutor:
                 continue
             seen.add(ptr)
             dense += t.untyped_storage().nbytes()
-        quantized = getattr(self.model, "quantized", None)
+        quantized = self.model.quantized
         if not quantized:
             return dense, 0
         blocks = sum(q.nbytes for q in quantized.values())

@@ -85,12 +85,8 @@ class NativeStep:
             return ptr("const float *", np.ascontiguousarray(t.detach().float().numpy(), dtype=np.float32))
 
         def weight(dst, q: QuantBlocks) -> None:
-            dst.data = ptr("const uint8_t *", q.blocks)
-            dst.type = native.QUANT_TYPES[q.type]
-            dst.rows = q.shape[0]
-            dst.row_bytes = q.blocks.strides[0]
-            dst.row_map = _ffi.NULL if q.row_map is None else ptr("const int32_t *", q.row_map)
-            dst.out_offset = 0
+            keep.extend((q.blocks, q.row_map))
+            native.fill_qweight(dst, q.blocks, q.type, q.row_map)
 
         h, kv, d = args.num_attention_heads, args.num_kv_heads, args.head_size
         layers = _ffi.new("mux_layer[]", args.num_hidden_layers)
