@@ -35,8 +35,6 @@ from typing import Any, BinaryIO, Literal, TextIO
 import gguf
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as BackendTokenizer
 
 from muxworker.worker.models.base import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 from muxworker.worker.models.gguf_tensors import (
@@ -48,12 +46,9 @@ from muxworker.worker.models.gguf_tensors import (
     dequantize_tensor,
     hf_tensor_name,
 )
+from muxworker.worker.models.gguf_vocab import UnsupportedGGUFError, build_tokenizer, require
 
 __all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main", "read_gguf_metadata"]
-
-
-class UnsupportedGGUFError(InvalidModelError):
-    """The GGUF file uses an architecture, tensor or tokenizer the converter does not handle."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,12 +66,6 @@ def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
         except UnicodeDecodeError as e:
             raise InvalidModelError(f"GGUF metadata field {name!r} holds invalid UTF-8: {e}") from e
     return metadata
-
-
-def _require(metadata: dict[str, Any], key: str) -> Any:
-    if key not in metadata:
-        raise UnsupportedGGUFError(f"GGUF metadata lacks {key!r}")
-    return metadata[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,8 +175,8 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
     def key(name: str) -> str:
         return f"llama.{name}"
 
-    n_head = int(_require(metadata, key("attention.head_count")))
-    hidden = int(_require(metadata, key("embedding_length")))
+    n_head = int(require(metadata, key("attention.head_count")))
+    hidden = int(require(metadata, key("embedding_length")))
     head_dim = int(metadata.get(key("attention.key_length"), hidden // n_head))
     rope_dim = metadata.get(key("rope.dimension_count"))
     if rope_dim is not None and int(rope_dim) != head_dim:
@@ -199,15 +188,15 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
         "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(_require(metadata, key("feed_forward_length"))),
-        "num_hidden_layers": int(_require(metadata, key("block_count"))),
+        "intermediate_size": int(require(metadata, key("feed_forward_length"))),
+        "num_hidden_layers": int(require(metadata, key("block_count"))),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(metadata.get(key("attention.head_count_kv"), n_head)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(_require(metadata, key("attention.layer_norm_rms_epsilon"))),
+        "rms_norm_eps": float(require(metadata, key("attention.layer_norm_rms_epsilon"))),
         "rope_theta": float(metadata.get(key("rope.freq_base"), 10000.0)),
-        "max_position_embeddings": int(_require(metadata, key("context_length"))),
+        "max_position_embeddings": int(require(metadata, key("context_length"))),
         "tie_word_embeddings": "lm_head.weight" not in shapes,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "mlp_bias": False,
@@ -218,7 +207,7 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
     if scaling == "linear":
         config["rope_scaling"] = {
             "rope_type": "linear",
-            "factor": float(_require(metadata, key("rope.scaling.factor"))),
+            "factor": float(require(metadata, key("rope.scaling.factor"))),
         }
     elif scaling != "none":
         raise UnsupportedGGUFError(f"rope scaling type {scaling!r}")
@@ -260,170 +249,6 @@ def _check_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) ->
             raise InvalidModelError(
                 f"GGUF tensor for {name} has shape {list(shape)}, the metadata implies {list(expected[name])}"
             )
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-_GPT2_SPLIT = "gpt2"
-_DIGITS_THEN_GPT2 = "digits"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (llama-vocab.cpp). "digits" is the
-# starcoder family (SmolLM included): each digit alone, then the GPT-2 pattern -- what the
-# original SmolLM2 tokenizer.json does with Digits(individual_digits=True) + ByteLevel.
-_PRE_TOKENIZERS = {
-    "gpt2": _GPT2_SPLIT,
-    "mpt": _GPT2_SPLIT,
-    "olmo": _GPT2_SPLIT,
-    "jais": _GPT2_SPLIT,
-    "smollm": _DIGITS_THEN_GPT2,
-    "starcoder": _DIGITS_THEN_GPT2,
-    "refact": _DIGITS_THEN_GPT2,
-    "codeshell": _DIGITS_THEN_GPT2,
-    "command-r": _DIGITS_THEN_GPT2,
-    "exaone": _DIGITS_THEN_GPT2,
-    "llama-bpe": _LLAMA3_REGEX,
-    "llama3": _LLAMA3_REGEX,
-    "llama-v3": _LLAMA3_REGEX,
-    "smaug-bpe": _LLAMA3_REGEX,
-    "dbrx": _LLAMA3_REGEX,
-}
-
-# Token texts llama.cpp treats as end of generation when present (llama-vocab.cpp, special_eog_ids),
-# besides the eos/eot/eom ids. SmolLM2's <|im_end|> (eos) and <|endoftext|> come from here.
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<|end_of_text|>")
-
-_CONTROL = int(gguf.TokenType.CONTROL)
-_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    split = _PRE_TOKENIZERS.get(pre)
-    if split is None:
-        raise UnsupportedGGUFError(
-            f"tokenizer.ggml.pre={pre!r} is not supported; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
-        )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in (_GPT2_SPLIT, _DIGITS_THEN_GPT2))
-    if split == _GPT2_SPLIT:
-        return byte_level
-    if split == _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-
-
-def _build_tokenizer(metadata: dict[str, Any]) -> tuple[BackendTokenizer, dict[str, Any], dict[str, Any]]:
-    """(tokenizer.json, tokenizer_config.json, generation_config.json) from the GGUF vocabulary."""
-    kind = _require(metadata, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedGGUFError(f"tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') is supported")
-    tokens: list[str] = list(_require(metadata, "tokenizer.ggml.tokens"))
-    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges: list[str] = list(_require(metadata, "tokenizer.ggml.merges"))
-    if len(types) != len(tokens):
-        raise InvalidModelError(f"{len(tokens)} tokens but {len(types)} token types")
-
-    # Byte-level vocabularies spell every byte with one printable character. A normal token that
-    # uses any other character was written as raw text; respell it so BPE can reach it.
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    spelling = dict(zip(range(256), _byte_spelling()))
-    vocab: dict[str, int] = {}
-    for index, (token, token_type) in enumerate(zip(tokens, types)):
-        if token_type not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
-            token = "".join(spelling[b] for b in token.encode("utf-8"))
-        if vocab.setdefault(token, index) != index:
-            raise InvalidModelError(f"token {token!r} appears twice in the vocabulary (ids {vocab[token]} and {index})")
-    pairs = []
-    for merge in merges:
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise InvalidModelError(f"malformed merge {merge!r}: expected two tokens separated by one space")
-        pairs.append((parts[0], parts[1]))
-
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "gpt2")))
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens are matched whole in text and are special (skippable on decode); user-defined
-    # ones (like <think>) are matched whole but are ordinary text.
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    )
-
-    def token_text(key: str) -> tuple[int | None, str | None]:
-        index = metadata.get(f"tokenizer.ggml.{key}")
-        if index is None or not 0 <= int(index) < len(tokens):
-            return None, None
-        return int(index), tokens[int(index)]
-
-    bos_id, bos = token_text("bos_token_id")
-    eos_id, eos = token_text("eos_token_id")
-    _, unk = token_text("unknown_token_id")
-    pad_id, pad = token_text("padding_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-    specials = []
-    if add_bos and bos_id is not None:
-        specials.append((bos, bos_id))
-    if add_eos and eos_id is not None and (eos, eos_id) not in specials:
-        specials.append((eos, eos_id))
-
-    def sequence(name: str, type_id: int) -> str:
-        parts = [f"${name}:{type_id}"]
-        if add_bos and bos_id is not None:
-            parts.insert(0, f"{bos}:{type_id}")
-        if add_eos and eos_id is not None:
-            parts.append(f"{eos}:{type_id}")
-        return " ".join(parts)
-
-    backend.post_processor = processors.TemplateProcessing(
-        single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}", special_tokens=specials
-    )
-
-    tokenizer_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": unk,
-        "pad_token": pad,
-        "clean_up_tokenization_spaces": False,
-    }
-    if (context := metadata.get("llama.context_length")) is not None:
-        tokenizer_config["model_max_length"] = int(context)
-    if (chat_template := metadata.get("tokenizer.chat_template")) is not None:
-        tokenizer_config["chat_template"] = chat_template
-
-    eog: list[int] = [eos_id] if eos_id is not None else []
-    for key in ("eot_token_id", "eom_token_id"):
-        if (eog_id := token_text(key)[0]) is not None:
-            eog.append(eog_id)
-    eog += [vocab[t] for t in _EOG_TEXTS if t in vocab]
-    eog = list(dict.fromkeys(eog))
-    generation_config: dict[str, Any] = {"bos_token_id": bos_id, "eos_token_id": eog[0] if len(eog) == 1 else eog}
-    if pad_id is not None:
-        generation_config["pad_token_id"] = pad_id
-    return backend, tokenizer_config, {k: v for k, v in generation_config.items() if v is not None and v != []}
-
-
-def _byte_spelling() -> list[str]:
-    """GPT-2's printable spelling of bytes 0..255, in byte order (what ByteLevel.alphabet() holds,
-    unordered)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    spelled = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in spelled:
-            spelled[b] = chr(256 + extra)
-            extra += 1
-    return [spelled[b] for b in range(256)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,12 +300,12 @@ def convert_gguf(
     if arch != "llama":
         raise UnsupportedGGUFError(f"general.architecture={arch!r}; only 'llama' is supported")
 
-    n_head = int(_require(metadata, "llama.attention.head_count"))
+    n_head = int(require(metadata, "llama.attention.head_count"))
     n_kv_head = int(metadata.get("llama.attention.head_count_kv", n_head))
-    n_layer = int(_require(metadata, "llama.block_count"))
+    n_layer = int(require(metadata, "llama.block_count"))
     plans = _plan_tensors(reader, n_head, n_kv_head, n_layer)
     config = _model_config(metadata, plans, dtype if weights == "copy" else None)
-    tokenizer, tokenizer_config, generation_config = _build_tokenizer(metadata)
+    tokenizer, tokenizer_config, generation_config = build_tokenizer(metadata)
     if (n_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config["vocab_size"]:
         raise InvalidModelError(f"{n_tokens} tokens but the embedding has only {config['vocab_size']} rows")
     if progress is not None:
