@@ -84,7 +84,44 @@ ARCH_CONFIGS = {
         sliding_window=16,
         tie_word_embeddings=False,
     ),
+    # q/k norms; head_dim apart from hidden / heads.
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    # Local and global layers with their own rope bases, a query scale apart from head_dim, GELU,
+    # (1 + weight) norms, scaled embeddings.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        rms_norm_eps=1e-6,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
 }
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def _train_tokenizer(vocab_size: int):
@@ -127,7 +164,7 @@ def write_tiny_model(
     cfg = dict(ARCH_CONFIGS[arch])
     cfg.update(overrides)
     cls_name = cfg["architectures"][0]
-    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, _CONFIG_CLASSES.get(cls_name, cls_name.replace("ForCausalLM", "Config")))
     kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
     config = config_cls(
         vocab_size=vocab,
@@ -144,6 +181,8 @@ def write_tiny_model(
         for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.15 if "embed" in name else 0.08)
+            elif "norm" in name and cls_name in _CONFIG_CLASSES | {"Qwen3ForCausalLM": ""}:
+                p.add_(torch.randn_like(p) * 0.1)  # norms that start at 0 or 1 would hide an offset
     model.save_pretrained(path, safe_serialization=True)
     (path / "tokenizer_config.json").write_text(
         json.dumps(

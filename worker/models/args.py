@@ -10,7 +10,29 @@ from typing import Any
 
 # Architectures this worker runs, mapped to how their config differs. The loader picks the model
 # class through ARCHITECTURES in model.py; this table only says what a config means.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+#: What transformers' Gemma3TextConfig assumes when a config (or a GGUF, which carries none of
+#: these) leaves them out: every sixth layer global, the others sliding; the local layers' rope
+#: base; the query scale 1/sqrt(query_pre_attn_scalar). The one place muxworker names them; the
+#: converter writes them into config.json and tests check them against transformers.
+GEMMA3_DEFAULTS = {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256}
+
+#: Activations, by the names configs give them (hidden_act, Gemma's hidden_activation).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class ConfigError(ValueError):
@@ -34,6 +56,7 @@ class ModelArgs:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    hidden_activation: str | None = None  # Gemma's name for hidden_act
     sliding_window: int | None = None
     use_sliding_window: bool | None = None
     max_window_layers: int | None = None
@@ -41,8 +64,19 @@ class ModelArgs:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Gemma 3 (None: GEMMA3_DEFAULTS for Gemma 3, unused otherwise).
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
+    sliding_window_pattern: int | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    # llama.cpp's per-frequency rope divisors (a Llama 3.x GGUF's rope_freqs tensor), written by
+    # the converter; they replace rope_scaling.
+    rope_freq_factors: list[float] | None = None
     # Derived: the attention window of each layer (None = full attention).
     windows: list[int | None] = field(default_factory=list)
+    # Derived: which rope table each layer uses (0: the global one; 1: Gemma 3's local one).
+    rope_kinds: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -54,17 +88,79 @@ class ModelArgs:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.hidden_act != "silu":
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
+        act = self.hidden_activation if self.hidden_activation is not None else self.hidden_act
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"activation {act!r} is not supported (expected one of {', '.join(ACTIVATIONS)})")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
+            hint = " (Gemma 3's vision-language model: only its text model, Gemma3ForCausalLM, runs)"
             raise ConfigError(
                 f"architecture {self.architecture!r} is not supported; "
                 f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+                + (hint if self.architecture == "Gemma3ForConditionalGeneration" else "")
             )
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{name}={getattr(self, name)} is not supported (Gemma 2's soft-capping)")
+        if self.gemma3:
+            for key, value in GEMMA3_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+            if self.layer_types is None and self.sliding_window:
+                pattern = int(self.sliding_window_pattern or 0)
+                self.layer_types = [
+                    "full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention"
+                    for i in range(self.num_hidden_layers)
+                ]
         if not self.windows:
             self.windows = self._derive_windows()
         if len(self.windows) != self.num_hidden_layers:
             raise ConfigError(f"windows has {len(self.windows)} entries for {self.num_hidden_layers} layers")
+        if not self.rope_kinds:
+            local = self.gemma3
+            self.rope_kinds = [1 if local and w is not None else 0 for w in self.windows]
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_size // 2:
+            raise ConfigError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries for head_dim {self.head_size}"
+            )
+
+    @property
+    def gemma3(self) -> bool:
+        return self.architecture == "Gemma3ForCausalLM"
+
+    @property
+    def activation(self) -> str:
+        """ "silu" or "gelu_tanh": the gated MLP's activation."""
+        return ACTIVATIONS[self.hidden_activation if self.hidden_activation is not None else self.hidden_act]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalized before rope (Qwen3, Gemma 3)."""
+        return self.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma 3's four norms a layer: the attention's and the MLP's outputs are normalized too
+        (post_attention_layernorm, post_feedforward_layernorm), and the MLP's input by
+        pre_feedforward_layernorm; in the others, post_attention_layernorm is the MLP's input norm."""
+        return self.gemma3
+
+    @property
+    def norm_offset(self) -> float:
+        """What every RMSNorm adds to its weight: Gemma's norms scale by (1 + weight)."""
+        return 1.0 if self.gemma3 else 0.0
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The factor embeddings are scaled by (Gemma: sqrt(hidden_size), in the model dtype)."""
+        return self.hidden_size**0.5 if self.gemma3 else None
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention scores' scale: 1/sqrt(query_pre_attn_scalar) for Gemma 3, 1/sqrt(head_dim)."""
+        if self.gemma3:
+            assert self.query_pre_attn_scalar is not None
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return float(self.head_size) ** -0.5
 
     def _derive_windows(self) -> list[int | None]:
         n = self.num_hidden_layers
@@ -79,7 +175,7 @@ class ModelArgs:
             return [None] * n
         if self.architecture == "MistralForCausalLM":
             return [w] * n
-        if self.architecture == "Qwen2ForCausalLM":
+        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             # Qwen2: windows only when use_sliding_window, on layers >= max_window_layers.
             if not self.use_sliding_window:
                 return [None] * n
@@ -107,13 +203,16 @@ class ModelArgs:
         if archs:
             d["architecture"] = archs[0]
         elif d.get("model_type"):
-            d["architecture"] = {
-                "llama": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM",
-                "mistral": "MistralForCausalLM",
-            }.get(d["model_type"], d["model_type"])
-        # transformers >= 5 keeps rope settings under rope_parameters.
+            d["architecture"] = _MODEL_TYPES.get(d["model_type"], d["model_type"])
+        # transformers >= 5 keeps rope settings under rope_parameters; Gemma 3 one per layer type.
         rp = d.get("rope_parameters")
+        if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+            local = rp.get("sliding_attention")
+            if isinstance(local, dict) and "rope_theta" in local:
+                if local.get("rope_type", "default") != "default":
+                    raise ConfigError(f"scaled rope on sliding layers ({local}) is not supported")
+                d["rope_local_base_freq"] = local["rope_theta"]
+            rp = rp["full_attention"]
         if isinstance(rp, dict):
             if "rope_theta" in rp:
                 d["rope_theta"] = rp["rope_theta"]
@@ -126,11 +225,18 @@ class ModelArgs:
         return cls(**{k: v for k, v in d.items() if k in names and k in params})
 
 
-def rope_inv_freq(args: ModelArgs) -> list[float]:
-    """Inverse frequencies for RoPE, with linear and llama3 scaling (as transformers computes them)."""
+def rope_inv_freq(args: ModelArgs, kind: int = 0) -> list[float]:
+    """Inverse frequencies for RoPE, with linear and llama3 scaling (as transformers computes them)
+    or llama.cpp's frequency factors. ``kind`` 1: Gemma 3's local layers (their own base, never
+    scaled)."""
     dim = args.head_dim
     assert dim is not None
+    if kind == 1:
+        assert args.rope_local_base_freq is not None
+        return [1.0 / (args.rope_local_base_freq ** (i / dim)) for i in range(0, dim, 2)]
     inv = [1.0 / (args.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
+    if args.rope_freq_factors is not None:
+        return [f / factor for f, factor in zip(inv, args.rope_freq_factors)]
     scaling = args.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):

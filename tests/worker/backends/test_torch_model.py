@@ -13,7 +13,7 @@ from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import build_model
 from muxworker.worker.models.args import ModelArgs
 
-ARCHS = ["llama", "llama3", "qwen2", "mistral"]
+ARCHS = ["llama", "llama3", "qwen2", "mistral", "qwen3", "gemma3"]
 
 
 def _ours(model_dir, slots=2, max_tokens=256):
@@ -99,7 +99,7 @@ def test_build_model_rejects_mismatched_weights(tiny_llama_dir):
         build_model(args, sd, dtype=torch.float32, device="cpu")
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
 def test_batched_decode_equals_reference(tiny_model_factory, arch):
     """Several single-token decodes in one padded attention call (ring layers wrapped past the
     window included) give transformers' logits for each sequence."""

@@ -1,4 +1,9 @@
-"""Llama-family decoder in torch (Llama, SmolLM2, Qwen2 with q/k/v bias, Mistral with sliding windows).
+"""Llama-family decoder in torch: Llama (SmolLM2, Llama 3.x), Qwen2 (q/k/v bias), Mistral (sliding
+windows), Qwen3 (q/k norms) and Gemma 3 (q/k norms, four norms a layer, GELU, scaled embeddings,
+local and global layers with their own rope).
+
+RMSNorm weights are held as the factors the norm multiplies by: Gemma's (1 + weight) is added
+once at load (``build_model``), so the forward pass has one norm for every architecture.
 
 Parameter names follow Hugging Face so checkpoints load without renaming. The forward pass takes a
 packed batch: the tokens of several sequences (decode tokens and prefill chunks) concatenated into
@@ -63,13 +68,19 @@ class Attention(nn.Module):
         self.n_kv = args.num_kv_heads
         self.head_dim = args.head_size
         self.window = args.windows[layer_idx]
+        self.rope_kind = args.rope_kinds[layer_idx]
         c = args.hidden_size
         # Rows: H query heads, then KV key heads, then KV value heads (q_proj, k_proj, v_proj stacked).
         self.qkv_proj: nn.Module = nn.Linear(
             c, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=args.attention_bias
         )
         self.o_proj: nn.Module = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.scale = args.attn_scale
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def forward(
         self,
@@ -82,7 +93,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n, h, kvh = x.shape[0], self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
-        qk = _apply_rope(qkv[:, : h + kvh], cos.unsqueeze(1), sin.unsqueeze(1))  # q and k heads together
+        qk = qkv[:, : h + kvh]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = _apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # q and k heads together
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
         layer_cache = cache.layers[self.layer_idx]
         gqa = kvh != h
@@ -217,10 +231,12 @@ class MLP(nn.Module):
         self.intermediate = f
         self.gate_up_proj: nn.Module = nn.Linear(c, 2 * f, bias=args.mlp_bias)  # gate_proj rows, then up_proj
         self.down_proj: nn.Module = nn.Linear(f, c, bias=args.mlp_bias)
+        self.gelu = args.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -230,10 +246,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Gemma 3: post_attention_layernorm normalizes the attention's output, these the MLP's
+        # input and output (elsewhere post_attention_layernorm is the MLP's input norm).
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spans, decode, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, decode, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, spans, decode, cache):
+        cos, sin = rope[self.self_attn.rope_kind]
+        a = self.self_attn(self.input_layernorm(x), cos, sin, spans, decode, cache)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Backbone(nn.Module):
@@ -259,6 +287,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_max = 0
+        self._rope_kinds = sorted(set(args.rope_kinds))
         # A quantized model's GGUF blocks by Hugging Face weight name, for the native decode step
         # (set by executor.load_model; None for a float model).
         self.quantized: dict[str, QuantBlocks] | None = None
@@ -270,14 +299,25 @@ class Transformer(nn.Module):
         if max_positions <= self._rope_max:
             return
         device = self.model.embed_tokens.weight.device
-        inv = torch.tensor(rope_inv_freq(self.args), dtype=torch.float32, device=device)
-        t = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         dtype = self.model.embed_tokens.weight.dtype
-        self._cos = emb.cos().to(dtype)
-        self._sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype)  # signed for _apply_rope
+        t = torch.arange(max_positions, dtype=torch.float32, device=device)
+        cos, sin = [], []
+        for kind in range(max(self._rope_kinds) + 1):  # [kinds, P, D]; a kind no layer uses stays unread
+            inv = torch.tensor(rope_inv_freq(self.args, kind), dtype=torch.float32, device=device)
+            freqs = torch.outer(t, inv)  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            cos.append(emb.cos().to(dtype))
+            sin.append(torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype))  # signed for _apply_rope
+        self._cos = torch.stack(cos)
+        self._sin = torch.stack(sin)
         self._rope_max = max_positions
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[N, C] input embeddings of ``tokens`` (Gemma's scaled by sqrt(C), rounded to the model
+        dtype first as transformers does)."""
+        x = self.model.embed_tokens(tokens)
+        scale = self.args.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -290,12 +330,15 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:  # [B, V] float32
         if tokens.ndim != 1 or tokens.shape != positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be equal 1-D")
-        cos, sin = self._cos[positions], self._sin[positions]
+        rope = [
+            (self._cos[k, positions], self._sin[k, positions]) if k in self._rope_kinds else None
+            for k in range(len(self._cos))
+        ]
         _MASKS.clear()
-        x = self.model.embed_tokens(tokens)  # [N, C]
+        x = self.embed(tokens)  # [N, C]
         decode = DecodeBatch.of(spans, tokens.device)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, spans, decode, cache)
+            x = layer(x, rope, spans, decode, cache)
         h = self.model.norm(x[logits_rows])  # [B, C]
         return self.lm_head(h).float()
 
@@ -305,6 +348,8 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
     "LlamaForCausalLM": Transformer,
     "Qwen2ForCausalLM": Transformer,
     "MistralForCausalLM": Transformer,
+    "Qwen3ForCausalLM": Transformer,
+    "Gemma3ForCausalLM": Transformer,
 }
 
 
@@ -362,6 +407,9 @@ def build_model(
             f"weights do not match {args.architecture}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
+    if args.norm_offset:
+        # Gemma's norms scale by (1 + weight): held as that factor (in float32, then rounded).
+        sd = {k: v.float() + args.norm_offset if k.endswith("norm.weight") else v for k, v in sd.items()}
     sd = _fuse(sd, args.num_hidden_layers, dtype)
     # The meta skeleton's tensors are replaced, never allocated: each weight becomes a Parameter of
     # the given tensor (no copy when it already has the dtype and device). (to_empty + copy_ +
