@@ -31,6 +31,8 @@ ffibuilder.cdef(
         mux_qweight q, k, v, o, gate, up, down;
         const float *bias_q, *bias_k, *bias_v;
         const float *attn_norm, *ffn_norm;
+        const float *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm;
+        const float *rope_cos, *rope_sin;
         void *k_cache, *v_cache;
         int64_t slot_stride, head_stride;
         int32_t capacity;
@@ -38,8 +40,8 @@ ffibuilder.cdef(
     } mux_layer;
     typedef struct {
         int32_t n_layers, hidden, n_heads, n_kv, head_dim, inter, vocab, max_pos, cache_bf16;
+        int32_t gelu;
         float eps, attn_scale;
-        const float *rope_cos, *rope_sin;
         const float *final_norm;
         mux_qweight head;
         const mux_layer *layers;

@@ -551,7 +551,10 @@ int mux_qmatmul(const mux_qweight *w, int nw, int64_t k, const float *x, int M, 
 typedef struct {
     mux_qweight q, k, v, o, gate, up, down;
     const float *bias_q, *bias_k, *bias_v; /* NULL when the model has none */
-    const float *attn_norm, *ffn_norm;
+    const float *attn_norm, *ffn_norm; /* the attention's and the MLP's input norms */
+    const float *q_norm, *k_norm; /* [D], per head before rope (Qwen3, Gemma 3); else NULL */
+    const float *post_attn_norm, *post_ffn_norm; /* of the attention's and MLP's outputs (Gemma 3) */
+    const float *rope_cos, *rope_sin; /* [max_pos, head_dim / 2]: this layer's (Gemma: local or global) */
     void *k_cache, *v_cache; /* [slots, KV, capacity, D] */
     int64_t slot_stride, head_stride; /* in elements */
     int32_t capacity; /* rows per slot: position p lives in row p % capacity */
@@ -560,8 +563,8 @@ typedef struct {
 
 typedef struct {
     int32_t n_layers, hidden, n_heads, n_kv, head_dim, inter, vocab, max_pos, cache_bf16;
+    int32_t gelu; /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
     float eps, attn_scale;
-    const float *rope_cos, *rope_sin; /* [max_pos, head_dim / 2] */
     const float *final_norm;
     mux_qweight head;
     const mux_layer *layers;
@@ -683,6 +686,9 @@ static void attn_merge(const attn_job *j, int n, float *out) {
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* GELU with the tanh approximation (Gemma's gelu_pytorch_tanh). */
+static float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
+
 /* One forward pass over n rows (each a token at pos[i] of the session in cache slot slot[i]),
  * x [n, hidden] their embeddings, updated in place to the last layer's output. Each layer writes
  * every row's keys and values into the caches before any row attends, so the rows of one session's
@@ -736,7 +742,11 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
                 for (int e = 0; e < KV * D; e++) r[H * D + e] += L->bias_k[e];
             if (L->bias_v)
                 for (int e = 0; e < KV * D; e++) r[(H + KV) * D + e] += L->bias_v[e];
-            const float *c = m->rope_cos + (int64_t)pos[i] * (D / 2), *s = m->rope_sin + (int64_t)pos[i] * (D / 2);
+            if (L->q_norm) /* Qwen3, Gemma 3: each query and key head normalized before rope */
+                for (int e = 0; e < H; e++) rms_norm(r + e * D, L->q_norm, D, m->eps, r + e * D);
+            if (L->k_norm)
+                for (int e = H; e < H + KV; e++) rms_norm(r + e * D, L->k_norm, D, m->eps, r + e * D);
+            const float *c = L->rope_cos + (int64_t)pos[i] * (D / 2), *s = L->rope_sin + (int64_t)pos[i] * (D / 2);
             rope(r, H + KV, D, c, s);
             size_t es = m->cache_bf16 ? 2 : 4;
             for (int g = 0; g < KV; g++) {
@@ -757,6 +767,8 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
         QUANT(att, H * D, H * D);
         mux_qweight wo = L->o;
         if ((rc = matmul_q8(&wo, 1, H * D, rows, n, tmp, C))) break;
+        if (L->post_attn_norm) /* Gemma 3 normalizes the attention's output too */
+            for (int i = 0; i < n; i++) rms_norm(tmp + (int64_t)i * C, L->post_attn_norm, C, m->eps, tmp + (int64_t)i * C);
         for (int64_t e = 0; e < (int64_t)n * C; e++) x[e] += tmp[e];
         for (int i = 0; i < n; i++) rms_norm(x + (int64_t)i * C, L->ffn_norm, C, m->eps, h + (int64_t)i * C);
         QUANT(h, C, C);
@@ -765,11 +777,16 @@ int mux_forward(const mux_model *m, int n, float *x, const int32_t *pos, const i
         if ((rc = matmul_q8(w2, 2, C, rows, n, gu, 2 * F))) break;
         for (int i = 0; i < n; i++) {
             float *g = gu + (int64_t)i * 2 * F;
-            for (int e = 0; e < F; e++) g[e] = silu(g[e]) * g[F + e];
+            if (m->gelu)
+                for (int e = 0; e < F; e++) g[e] = gelu_tanh(g[e]) * g[F + e];
+            else
+                for (int e = 0; e < F; e++) g[e] = silu(g[e]) * g[F + e];
         }
         QUANT(gu, F, 2 * F);
         mux_qweight wd = L->down;
         if ((rc = matmul_q8(&wd, 1, F, rows, n, tmp, C))) break;
+        if (L->post_ffn_norm)
+            for (int i = 0; i < n; i++) rms_norm(tmp + (int64_t)i * C, L->post_ffn_norm, C, m->eps, tmp + (int64_t)i * C);
         for (int64_t e = 0; e < (int64_t)n * C; e++) x[e] += tmp[e];
     }
     if (!rc && n_logits > 0) {

@@ -36,13 +36,17 @@ import gguf
 import numpy as np
 import torch
 
+from muxworker.worker.models.args import GEMMA3_DEFAULTS
 from muxworker.worker.models.base import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
 from muxworker.worker.models.gguf_tensors import (
-    BLOCK_TENSORS,
+    GGUF_ARCHITECTURES,
     GGUF_LINK,
+    NORM_ADD,
+    ROTARY_PERMUTED,
     GGUFTensorError,
     GGUFTensorIndex,
     TensorEntry,
+    block_tensors,
     dequantize_tensor,
     hf_tensor_name,
 )
@@ -78,35 +82,51 @@ class _TensorPlan:
     source: Any  # gguf.ReaderTensor
     shape: tuple[int, ...]  # numpy/torch order (reversed GGML ne)
     rotary_heads: int | None  # set for attn_q/attn_k: heads to unpermute over
+    add: float  # added on read (NORM_ADD)
 
     def entry(self) -> TensorEntry:
         """Where this tensor lies in the GGUF file, for the tensor index of a linked directory."""
         t = self.source
         return TensorEntry(
-            self.hf_name, t.name, t.tensor_type.name, self.shape, int(t.data_offset), int(t.n_bytes), self.rotary_heads
+            self.hf_name,
+            t.name,
+            t.tensor_type.name,
+            self.shape,
+            int(t.data_offset),
+            int(t.n_bytes),
+            self.rotary_heads,
+            self.add,
         )
 
 
-def _plan_tensors(reader: gguf.GGUFReader, n_head: int, n_kv_head: int, n_layer: int) -> list[_TensorPlan]:
+#: A Llama 3.x GGUF's rope scaling: llama.cpp's per-frequency divisors, not a model weight.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _plan_tensors(reader: gguf.GGUFReader, arch: str, n_head: int, n_kv_head: int, n_layer: int) -> list[_TensorPlan]:
     plans: list[_TensorPlan] = []
+    permuted = arch in ROTARY_PERMUTED
     for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
         heads = None
-        if ".attn_q." in t.name:
+        if permuted and ".attn_q." in t.name:
             heads = n_head
-        elif ".attn_k." in t.name:
+        elif permuted and ".attn_k." in t.name:
             heads = n_kv_head
         # GGML lists ne0 (the contiguous dimension) first; numpy and torch list it last.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, arch)
         except GGUFTensorError as e:
             raise UnsupportedGGUFError(str(e)) from None
-        plans.append(_TensorPlan(name, t, shape, heads))
+        add = NORM_ADD.get(arch, 0.0) if name.endswith("norm.weight") else 0.0
+        plans.append(_TensorPlan(name, t, shape, heads, add))
     names = {p.hf_name for p in plans}
     if len(names) != len(plans):
         raise InvalidModelError("GGUF file holds the same tensor twice")
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{hf}.weight" for i in range(n_layer) for hf in BLOCK_TENSORS.values()
+        f"model.layers.{i}.{hf}.weight" for i in range(n_layer) for hf in block_tensors(arch).values()
     }
     if missing := sorted(expected - names):
         raise InvalidModelError(
@@ -120,9 +140,10 @@ def _plan_tensors(reader: gguf.GGUFReader, n_head: int, n_kv_head: int, n_layer:
 def _dequantize(plan: _TensorPlan) -> np.ndarray:
     t = plan.source
     try:  # float32 for every type; F32 tensors come back as a view of the memory map
-        return dequantize_tensor(t.data, t.tensor_type.name, plan.shape, plan.rotary_heads)
+        values = dequantize_tensor(t.data, t.tensor_type.name, plan.shape, plan.rotary_heads)
     except GGUFTensorError as e:
         raise UnsupportedGGUFError(str(e)) from None
+    return values + np.float32(plan.add) if plan.add else values
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -171,9 +192,11 @@ def _write_tensor(f: BinaryIO, values: np.ndarray, dtype: torch.dtype) -> None:
 # Config
 
 
-def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: torch.dtype | None) -> dict[str, Any]:
+def _model_config(
+    metadata: dict[str, Any], arch: str, plans: list[_TensorPlan], rope_freqs: Any, dtype: torch.dtype | None
+) -> dict[str, Any]:
     def key(name: str) -> str:
-        return f"llama.{name}"
+        return f"{arch}.{name}"
 
     n_head = int(require(metadata, key("attention.head_count")))
     hidden = int(require(metadata, key("embedding_length")))
@@ -183,9 +206,10 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
         raise UnsupportedGGUFError(f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim})")
     shapes = {p.hf_name: p.shape for p in plans}
     vocab_size = shapes["model.embed_tokens.weight"][0]
+    hf_arch = GGUF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": int(require(metadata, key("feed_forward_length"))),
@@ -201,6 +225,25 @@ def _model_config(metadata: dict[str, Any], plans: list[_TensorPlan], dtype: tor
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "mlp_bias": False,
     }
+    if arch == "gemma3":
+        # The GGUF carries the window but not the layer pattern, the local rope base or the query
+        # scale: transformers' defaults (GEMMA3_DEFAULTS), written out so config.json is complete.
+        n_layer, pattern = config["num_hidden_layers"], GEMMA3_DEFAULTS["sliding_window_pattern"]
+        config |= {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": int(require(metadata, key("attention.sliding_window"))),
+            "layer_types": [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)
+            ],
+            "rope_local_base_freq": GEMMA3_DEFAULTS["rope_local_base_freq"],
+            "query_pre_attn_scalar": GEMMA3_DEFAULTS["query_pre_attn_scalar"],
+        }
+        del config["hidden_act"]
+    if rope_freqs is not None:
+        factors = np.asarray(_dequantize(rope_freqs), dtype=np.float64).reshape(-1)
+        if factors.shape != (head_dim // 2,):
+            raise InvalidModelError(f"{_ROPE_FREQS} has {factors.size} entries for head_dim {head_dim}")
+        config["rope_freq_factors"] = factors.tolist()
     if dtype is not None:  # a linked directory's weights keep the GGUF's types
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     scaling = metadata.get(key("rope.scaling.type"), "none")
@@ -234,6 +277,10 @@ def _check_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) ->
         "mlp.down_proj": (hidden, ffn),
         "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
+        "pre_feedforward_layernorm": (hidden,),
+        "post_feedforward_layernorm": (hidden,),
+        "self_attn.q_norm": (config["head_dim"],),
+        "self_attn.k_norm": (config["head_dim"],),
     }
     expected = {
         "model.embed_tokens.weight": (vocab, hidden),
@@ -297,14 +344,18 @@ def convert_gguf(
         raise UnsupportedGGUFError(f"{gguf_path} is a byte-swapped (big-endian) GGUF")
     metadata = read_gguf_metadata(reader)
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedGGUFError(f"general.architecture={arch!r}; only 'llama' is supported")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedGGUFError(
+            f"general.architecture={arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
 
-    n_head = int(require(metadata, "llama.attention.head_count"))
-    n_kv_head = int(metadata.get("llama.attention.head_count_kv", n_head))
-    n_layer = int(require(metadata, "llama.block_count"))
-    plans = _plan_tensors(reader, n_head, n_kv_head, n_layer)
-    config = _model_config(metadata, plans, dtype if weights == "copy" else None)
+    n_head = int(require(metadata, f"{arch}.attention.head_count"))
+    n_kv_head = int(metadata.get(f"{arch}.attention.head_count_kv", n_head))
+    n_layer = int(require(metadata, f"{arch}.block_count"))
+    plans = _plan_tensors(reader, arch, n_head, n_kv_head, n_layer)
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    rope_freqs = None if freqs is None else _TensorPlan(_ROPE_FREQS, freqs, (int(freqs.n_elements),), None, 0.0)
+    config = _model_config(metadata, arch, plans, rope_freqs, dtype if weights == "copy" else None)
     tokenizer, tokenizer_config, generation_config = build_tokenizer(metadata)
     if (n_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config["vocab_size"]:
         raise InvalidModelError(f"{n_tokens} tokens but the embedding has only {config['vocab_size']} rows")

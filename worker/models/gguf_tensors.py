@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "BLOCK_TENSORS",
+    "GGUF_ARCHITECTURES",
     "GGUF_LINK",
     "TENSOR_INDEX",
     "GGUFTensorError",
     "GGUFTensorIndex",
     "TensorEntry",
+    "block_tensors",
     "dequantize_tensor",
     "hf_tensor_name",
     "unpermute_rotary_rows",
@@ -37,7 +38,7 @@ __all__ = [
 
 TENSOR_INDEX = "gguf_tensors.json"  # written by conversion, read at every load
 GGUF_LINK = "model.gguf"  # the converted directory's link to the source GGUF
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: entries carry "add" (Gemma's norms)
 
 
 class GGUFTensorError(ValueError):
@@ -49,7 +50,18 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-BLOCK_TENSORS = {
+#: general.architecture -> the Hugging Face architecture it converts to.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+#: Architectures whose attn_q/attn_k rows llama.cpp's converter permutes (LlamaModel.permute); the
+#: others keep Hugging Face's rotate-half order (llama.cpp runs them with NEOX rope).
+ROTARY_PERMUTED = ("llama",)
+
+_BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -60,17 +72,42 @@ BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_ARCH_BLOCK_TENSORS = {
+    "llama": _BLOCK_TENSORS,
+    "qwen2": _BLOCK_TENSORS,
+    "qwen3": {**_BLOCK_TENSORS, **_QK_NORMS},
+    # Gemma 3's MLP has its own input norm; its post_attention_layernorm normalizes the attention's output.
+    "gemma3": {
+        **_BLOCK_TENSORS,
+        **_QK_NORMS,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+#: What reading a norm weight adds to the file's values, by architecture: llama.cpp stores Gemma's
+#: (1 + weight) factors, Hugging Face the weight (transformers subtracts 1 the same way).
+NORM_ADD = {"gemma3": -1.0}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def block_tensors(arch: str) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> Hugging Face module names, for ``arch``."""
+    if arch not in _ARCH_BLOCK_TENSORS:
+        raise GGUFTensorError(f"no tensor names are known for general.architecture={arch!r}")
+    return _ARCH_BLOCK_TENSORS[arch]
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face parameter name of a llama.cpp tensor name (GGUFTensorError if unknown)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    names = block_tensors(arch)
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m[2] not in BLOCK_TENSORS:
+    if m is None or m[2] not in names:
         raise GGUFTensorError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart we know of")
-    return f"model.layers.{m[1]}.{BLOCK_TENSORS[m[2]]}.{m[3]}"
+    return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
 
 
 def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -100,6 +137,7 @@ class TensorEntry:
     offset: int  # absolute byte offset in the file
     nbytes: int
     rotary_heads: int | None  # attn_q/attn_k: heads whose rotary row order is undone on read
+    add: float = 0.0  # added to every value on read (NORM_ADD)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +148,7 @@ class TensorEntry:
             "offset": self.offset,
             "nbytes": self.nbytes,
             "rotary_heads": self.rotary_heads,
+            "add": self.add,
         }
 
     @classmethod
@@ -123,6 +162,7 @@ class TensorEntry:
                 int(d["offset"]),
                 int(d["nbytes"]),
                 None if d["rotary_heads"] is None else int(d["rotary_heads"]),
+                float(d["add"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise GGUFTensorError(f"malformed tensor entry {d!r}: {e}") from None
@@ -224,9 +264,11 @@ class GGUFTensorIndex:
         e = self.entries[name]
         values = dequantize_tensor(self._bytes(e), e.type, e.shape, e.rotary_heads)
         # A fresh, writable array: F32 tensors would otherwise be read-only views of the map.
-        if values.dtype == np.float32 and values.flags.writeable:
-            return values
-        return np.array(values, dtype=np.float32)
+        if not (values.dtype == np.float32 and values.flags.writeable):
+            values = np.array(values, dtype=np.float32)
+        if e.add:
+            values += np.float32(e.add)
+        return values
 
     def raw(self, name: str) -> np.ndarray:
         """The bytes of ``name`` in the file (uint8, a read-only view of the map): a quantized

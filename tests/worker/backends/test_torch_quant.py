@@ -198,3 +198,21 @@ def test_attention_over_many_key_chunks_agrees_with_the_dense_path(tiny_llama_di
     want_tokens, want = _decode(dense, 0, prompt, 4)
     for a, b in zip(got, want):
         assert (a - b).abs().max() < 0.03 * b.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_the_native_step_runs_qwen3_and_gemma3_as_the_dense_path_does(tiny_model_factory, arch: str) -> None:
+    """q/k norms, Gemma's four norms, GELU, scaled embeddings, the query scale and local rope in
+    the native step: the same logits as the dense path over the same (Q8_0) weights, past the
+    sliding window of Gemma's local layers (16)."""
+    model, args = _load(tiny_model_factory(arch), "float32", quantize="int8")
+    native = TorchExecutor(model, 1, 64)
+    dense = TorchExecutor(model, 1, 64)
+    assert native.native is not None
+    dense.native = None
+    prompt = (IDS * 3)[:24]
+    got_tokens, got = _decode(native, 0, prompt, 8)
+    want_tokens, want = _decode(dense, 0, prompt, 8)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() < 0.03 * b.abs().max()
+    assert got_tokens[:4] == want_tokens[:4]

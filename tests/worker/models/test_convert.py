@@ -169,7 +169,7 @@ def test_progress_reports_tensor_count(tmp_path: Path) -> None:
     ("kwargs", "message"),
     [
         ({"arch": "gpt2"}, "general.architecture='gpt2'"),
-        ({"extra_tensor": "rope_freqs.weight"}, "rope_freqs.weight"),
+        ({"extra_tensor": "blk.0.ffn_gate_exps.weight"}, "blk.0.ffn_gate_exps.weight"),
         ({"pre": "no-such-pre"}, "tokenizer.ggml.pre='no-such-pre'"),
     ],
 )

@@ -71,7 +71,7 @@ class NativeStep:
         args = model.args
         self.args = args
         self.vocab = int(args.vocab_size)
-        self._embed = model.model.embed_tokens.weight
+        self._embed = model.embed
         native.set_threads(threads)
         keep: list[object] = []  # everything the C structs point into
 
@@ -89,6 +89,16 @@ class NativeStep:
             native.fill_qweight(dst, q.blocks, q.type, q.row_map)
 
         h, kv, d = args.num_attention_heads, args.num_kv_heads, args.head_size
+        # float32 rotary tables [positions, D/2] per rope kind (the torch path keeps them in the
+        # model dtype).
+        rope = {}
+        for kind in set(args.rope_kinds):
+            inv = np.asarray(rope_inv_freq(args, kind), dtype=np.float32)
+            angles = np.outer(np.arange(cache.max_tokens, dtype=np.float32), inv)
+            rope[kind] = (
+                ptr("const float *", np.ascontiguousarray(np.cos(angles), dtype=np.float32)),
+                ptr("const float *", np.ascontiguousarray(np.sin(angles), dtype=np.float32)),
+            )
         layers = _ffi.new("mux_layer[]", args.num_hidden_layers)
         keep.append(layers)
         # Ring layers (sliding windows) hold capacity - window spare rows: a chunk of T rows may
@@ -106,7 +116,17 @@ class NativeStep:
             else:
                 dst.bias_q = dst.bias_k = dst.bias_v = _ffi.NULL
             dst.attn_norm = f32(layer.input_layernorm.weight)
-            dst.ffn_norm = f32(layer.post_attention_layernorm.weight)
+            attn = layer.self_attn
+            dst.q_norm = f32(attn.q_norm.weight if attn.q_norm is not None else None)
+            dst.k_norm = f32(attn.k_norm.weight if attn.k_norm is not None else None)
+            if layer.pre_feedforward_layernorm is not None and layer.post_feedforward_layernorm is not None:
+                dst.post_attn_norm = f32(layer.post_attention_layernorm.weight)
+                dst.ffn_norm = f32(layer.pre_feedforward_layernorm.weight)
+                dst.post_ffn_norm = f32(layer.post_feedforward_layernorm.weight)
+            else:
+                dst.post_attn_norm = dst.post_ffn_norm = _ffi.NULL
+                dst.ffn_norm = f32(layer.post_attention_layernorm.weight)
+            dst.rope_cos, dst.rope_sin = rope[attn.rope_kind]
             lc = cache.layers[i]
             if lc.k.dtype not in (torch.float32, torch.bfloat16) or not lc.k.is_contiguous():
                 raise ValueError(f"the native step needs a contiguous float32 or bfloat16 cache, got {lc.k.dtype}")
@@ -128,12 +148,8 @@ class NativeStep:
         m.inter, m.vocab, m.max_pos = args.intermediate_size, self.vocab, cache.max_tokens
         m.cache_bf16 = int(cache.layers[0].k.dtype == torch.bfloat16)
         m.eps = float(args.rms_norm_eps)
-        m.attn_scale = float(d**-0.5)
-        # float32 rotary tables [positions, D/2] (the torch path keeps them in the model dtype).
-        inv = np.asarray(rope_inv_freq(args), dtype=np.float32)
-        angles = np.outer(np.arange(cache.max_tokens, dtype=np.float32), inv)
-        m.rope_cos = ptr("const float *", np.ascontiguousarray(np.cos(angles), dtype=np.float32))
-        m.rope_sin = ptr("const float *", np.ascontiguousarray(np.sin(angles), dtype=np.float32))
+        m.attn_scale = float(args.attn_scale)
+        m.gelu = int(args.activation == "gelu_tanh")
         m.final_norm = f32(model.model.norm.weight)
         weight(m.head, quantized["lm_head.weight"])
         m.layers = layers
@@ -164,7 +180,7 @@ class NativeStep:
     def _run(self, tokens, positions, group: list[SeqSpan], want: dict[int, int], out: np.ndarray) -> None:
         rows = [r for s in group for r in range(s.offset, s.offset + s.length)]
         n = len(rows)
-        x = np.ascontiguousarray(self._embed[torch.tensor([tokens[r] for r in rows])].float().numpy())
+        x = np.ascontiguousarray(self._embed(torch.tensor([tokens[r] for r in rows])).float().numpy())
         pos = np.array([positions[r] for r in rows], dtype=np.int32)
         slot = np.array([s.slot for s in group for _ in range(s.length)], dtype=np.int32)
         local = [i for i, r in enumerate(rows) if r in want]
