@@ -217,3 +217,111 @@ def exported_smollm(base: Path) -> Path:
     if not (out / "config.json").is_file():
         convert_gguf(bundled_gguf_path(), out, progress=None, weights="copy")
     return out
+
+
+# Hugging Face module -> llama.cpp tensor name, as convert_hf_to_gguf.py writes them.
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+_GEMMA_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_from_hf(model_dir: Path, path: Path, arch: str, *, linear_type: str | None = None) -> Path:
+    """Write a tiny Hugging Face model directory as a GGUF the way llama.cpp's convert_hf_to_gguf.py
+    would for ``arch`` ("llama", "qwen3", "gemma3"): its tensor names, the q/k row permutation of
+    llama, Gemma's norms stored as (1 + weight), a Llama 3 rope_scaling as a rope_freqs tensor.
+    ``linear_type`` quantizes the 2-D layer weights (the model directory is left as it is)."""
+    import json
+    import math
+
+    from safetensors.numpy import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    sd = load_file(model_dir / "model.safetensors")
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(base)
+    if arch == "gemma3":
+        w.add_sliding_window(config["sliding_window"])
+    tokens, types = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TINY_TEMPLATE)
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
+    if scaling is not None and scaling.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        factors = []
+        for i in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * base ** (i / head_dim)
+            if wavelen < old / high:
+                factors.append(1.0)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    names = {**_GGUF_NAMES, **(_GEMMA_NAMES if arch == "gemma3" else {})}
+    for name, value in sd.items():
+        value = value.astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", value)
+            continue
+        if name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", value + 1 if arch == "gemma3" else value)
+            continue
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", value)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, _, kind = rest.rpartition(".")
+        if arch == "gemma3" and module.endswith("norm"):
+            value = value + 1
+        if arch == "llama" and module == "self_attn.q_proj":
+            value = llama_cpp_permute(value, n_head)
+        elif arch == "llama" and module == "self_attn.k_proj":
+            value = llama_cpp_permute(value, n_kv)
+        gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+        if linear_type is not None and value.ndim == 2:
+            packed = gguf.quants.quantize(value, gguf.GGMLQuantizationType[linear_type])
+            w.add_tensor(gguf_name, packed, raw_dtype=gguf.GGMLQuantizationType[linear_type])
+        else:
+            w.add_tensor(gguf_name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

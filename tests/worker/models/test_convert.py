@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.gguf_files import converted_smollm, exported_smollm, write_tiny_gguf
+from helpers.gguf_files import converted_smollm, exported_smollm, gguf_from_hf, write_tiny_gguf
 from safetensors import safe_open
 
 from muxworker.worker.models.convert import UnsupportedGGUFError, convert_gguf, main
@@ -228,3 +228,38 @@ def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(OSError, match="No space left"):
         convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("llama3", "llama"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])
+def test_llama3_qwen3_and_gemma3_ggufs_run_as_transformers_runs_their_models(
+    tmp_path: Path, tiny_model_factory, arch: str, gguf_arch: str
+) -> None:
+    """A tiny random model written as llama.cpp writes its GGUF (Llama 3's rope scaling as a
+    rope_freqs tensor, Gemma's norms as 1 + weight, llama's q/k rows permuted), converted and run
+    by our model: transformers' logits on the original directory."""
+    import transformers
+
+    from muxworker.worker.backends.interface import SeqSpan
+    from muxworker.worker.backends.torch.cache import KVCache
+    from muxworker.worker.backends.torch.model import build_model
+    from muxworker.worker.models.args import ModelArgs
+
+    # A GGUF carries neither Gemma's layer pattern nor its query scale: the model must have
+    # transformers' defaults (GEMMA3_DEFAULTS), which conversion writes (a global sixth layer).
+    gemma_defaults = dict(num_hidden_layers=7, layer_types=None, query_pre_attn_scalar=256)
+    hf_dir = tiny_model_factory(arch, **(gemma_defaults if arch == "gemma3" else {}))
+    out = convert_gguf(
+        gguf_from_hf(hf_dir, tmp_path / "m.gguf", gguf_arch), tmp_path / "linked", progress=None, weights="link"
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == json.loads((hf_dir / "config.json").read_text())["architectures"]
+    args = ModelArgs.from_dict(config)
+    model = build_model(args, load_state_dict(out), dtype=torch.float32, device="cpu")
+    model.setup_rope(128)
+    ids = torch.randint(0, 268, (40,), generator=torch.Generator().manual_seed(3))  # past gemma3's window of 16
+    cache = KVCache(args.windows, 1, 128, args.num_kv_heads, args.head_size, torch.float32, "cpu")
+    ours = model(ids, torch.arange(40), [SeqSpan(0, 0, 40, 0)], cache, torch.arange(40))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    assert (ours - want).abs().max().item() <= 1e-4
