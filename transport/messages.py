@@ -339,6 +339,8 @@ class ModelInfo:
     path: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # How the weights are held, by type: {"type", "held", "runs", "tensors", "nbytes"} each.
+    weight_groups: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -370,6 +372,7 @@ class WorkerInfo:
                 path=m.get("path"),
                 bos_token_id=m.get("bos_token_id"),
                 eos_token_ids=tuple(m.get("eos_token_ids") or ()),
+                weight_groups=tuple(dict(g) for g in m.get("weight_groups") or () if isinstance(g, dict)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"hello.model is malformed: {exc!r}") from None

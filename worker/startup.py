@@ -165,11 +165,11 @@ def _startup_summary(engine: Engine) -> str:
     mib = engine.cache.nbytes / 2**20
     draft = getattr(engine, "draft", None)
     draft_mib = draft.cache.nbytes / 2**20 if draft is not None else 0.0
-    weights, dense = engine.executor.weight_nbytes
-    copy = f", of which {dense / 2**20:.0f} MiB dense copies for prefill, memory-mapped" if dense else ""
+    groups = engine.executor.weight_groups
+    weights = sum(g.nbytes for g in groups)
     return (
         f"serving {engine.model_name} on {engine.backend}/{engine.device_name} ({engine.dtype_name}, "
-        f"{engine.weights} weights); weights {weights / 2**20:.0f} MiB{copy}; "
+        f"{engine.weights} weights); weights {weights / 2**20:.0f} MiB: {', '.join(g.describe() for g in groups)}; "
         f"KV cache {mib:.1f} MiB preallocated: {cfg.max_sessions} sessions + {cfg.prefix_cache_entries} "
         f"prefix-cache entries x {cfg.max_session_tokens} tokens"
         + (f"; draft KV cache {draft_mib:.1f} MiB" if draft is not None else "")

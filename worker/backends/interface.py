@@ -14,6 +14,7 @@ before it runs a forward (``check_batch``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,6 +48,23 @@ class SeqSpan:
     offset: int
 
 
+@dataclass(frozen=True)
+class WeightGroup:
+    """The weights of one type held one way: the start-up line and ``GET /v1/models`` list them."""
+
+    type: str  # a GGML type ("Q5_0", "Q6_K") or a dtype ("bfloat16")
+    held: str  # "mapped": GGUF blocks read in place; "packed": blocks quantized at load; "dense"
+    runs: str  # which passes use them: "decode" (the native step), "prefill" or "every pass"
+    tensors: int
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        return f"{self.type} {self.held} {self.nbytes / 2**20:.0f} MiB ({self.tensors}, {self.runs})"
+
+
 class Executor(Protocol):
     """A model plus its KV cache, as the engine schedules against them."""
 
@@ -58,8 +76,8 @@ class Executor(Protocol):
     def dtype_name(self) -> str: ...
 
     @property
-    def weight_nbytes(self) -> tuple[int, int]:
-        """(bytes the model's weights take, of which dense prefill copies of quantized layers)."""
+    def weight_groups(self) -> list[WeightGroup]:
+        """How the model's weights are held, by type (every tensor counted once)."""
         ...
 
     @property

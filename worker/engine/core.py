@@ -212,6 +212,8 @@ class Engine(EngineCheckpoints):
             "bos_token_id": getattr(tok, "bos_token_id", None),
             "eos_token_ids": list(self.eos_token_ids),
             "draft": None if self._draft_model is None else {"name": self.draft_name, "n_draft": self.n_draft},
+            # How each tensor type is held and which passes run it (WeightGroup).
+            "weight_groups": [g.to_dict() for g in self.executor.weight_groups],
         }
 
     # ----------------------------------------------------------------- sessions

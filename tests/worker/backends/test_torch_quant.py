@@ -216,3 +216,22 @@ def test_the_native_step_runs_qwen3_and_gemma3_as_the_dense_path_does(tiny_model
     for a, b in zip(got, want):
         assert (a - b).abs().max() < 0.03 * b.abs().max()
     assert got_tokens[:4] == want_tokens[:4]
+
+
+def test_weight_groups_say_how_each_tensor_type_is_held(tmp_path: Path) -> None:
+    """The start-up line and /v1/models report, by type: GGUF blocks mapped in place for decode,
+    their dense copies for prefill, and the rest dense for every pass; every byte once."""
+    model, args = _load(_linked(tmp_path, "Q5_0"), "bfloat16", "quantized")
+    groups = {(g.type, g.held, g.runs): g for g in TorchExecutor(model, 1, 64).weight_groups}
+    layers = 7 * args.num_hidden_layers
+    assert groups["Q5_0", "mapped", "decode"].tensors == layers
+    assert groups["Q8_0", "packed", "decode"].tensors == 1  # the F32 output layer, quantized for the native step
+    assert groups["bfloat16", "dense", "prefill"].tensors == 4 * args.num_hidden_layers  # qkv, o, gate_up, down
+    blocks = sum(q.nbytes for q in model.quantized.values())
+    assert sum(g.nbytes for g in groups.values() if g.held != "dense") == blocks
+    assert groups["Q5_0", "mapped", "decode"].nbytes == sum(
+        q.nbytes for n, q in model.quantized.items() if n != "lm_head.weight"
+    )
+    (tmp_path / "f").mkdir()
+    float_model, _ = _load(_linked(tmp_path / "f", "Q5_0"), "float32")
+    assert {(g.held, g.runs) for g in TorchExecutor(float_model, 1, 64).weight_groups} == {("dense", "every pass")}

@@ -16,7 +16,7 @@ import torch
 from muxworker import native as _native
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
 from muxworker.transport.checkpoint.segments import byte_view
-from muxworker.worker.backends.interface import SeqSpan, check_batch
+from muxworker.worker.backends.interface import SeqSpan, WeightGroup, check_batch
 from muxworker.worker.backends.torch import quant as _quant
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
@@ -163,24 +163,35 @@ class TorchExecutor:
             self.native = NativeStep(model, quantized, self.cache, torch.get_num_threads())
 
     @property
-    def weight_nbytes(self) -> tuple[int, int]:
-        """(bytes the weights take, of which a quantized model's dense prefill copies)."""
+    def weight_groups(self) -> list[WeightGroup]:
+        """Every weight tensor once, grouped by type and how it is held: a quantized model's GGUF
+        blocks (mapped in place, or packed at load by --quantize) run the native decode step; their
+        dense copies run prefill; norms and the embedding (and every weight of a float model) run
+        every pass."""
+        quantized = self.model.quantized or {}
+        decode = "decode" if self.native is not None else "unused (no native step)"
+        groups: dict[tuple[str, str, str], list[int]] = {}
+
+        def add(key: tuple[str, str, str], nbytes: int) -> None:
+            entry = groups.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+
+        for q in quantized.values():
+            add((q.type, "mapped" if isinstance(q.blocks, np.memmap) else "packed", decode), q.nbytes)
+        copies = "prefill" if self.native is not None else "every pass"
         seen: set[int] = set()
-        dense = 0
         for name, t in (*self.model.named_parameters(), *self.model.named_buffers()):
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen or t.numel() == 0 or name.endswith(("._cos", "._sin")):
                 continue
             seen.add(ptr)
-            dense += t.untyped_storage().nbytes()
-        quantized = self.model.quantized
-        if not quantized:
-            return dense, 0
-        blocks = sum(q.nbytes for q in quantized.values())
-        copies = sum(
-            p.untyped_storage().nbytes() for n, p in self.model.named_parameters() if n.endswith("_proj.weight")
-        )
-        return dense + blocks, copies
+            dtype = str(t.dtype).removeprefix("torch.")
+            add(
+                (dtype, "dense", copies if quantized and name.endswith("_proj.weight") else "every pass"),
+                t.untyped_storage().nbytes(),
+            )
+        return [WeightGroup(k[0], k[1], k[2], n, b) for k, (n, b) in groups.items()]
 
     @property
     def dtype_name(self) -> str:
