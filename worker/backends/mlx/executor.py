@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from muxworker.transport.checkpoint import LayerState, numpy_storage_dtype
-from muxworker.worker.backends.interface import SeqSpan, check_batch
+from muxworker.worker.backends.interface import SeqSpan, WeightGroup, check_batch
 from muxworker.worker.backends.mlx.cache import KVCache
 from muxworker.worker.backends.mlx.model import Transformer, build_model
 from muxworker.worker.models import gguf_tensors
@@ -113,12 +113,17 @@ class MLXExecutor:
             )
 
     @property
-    def weight_nbytes(self) -> tuple[int, int]:
-        """(bytes the weights take, 0: MLX holds no dense copies)."""
+    def weight_groups(self) -> list[WeightGroup]:
+        """Every weight dense, by dtype (MLX holds no quantized blocks here)."""
         from mlx.utils import tree_flatten
 
         leaves: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
-        return sum(int(a.nbytes) for _, a in leaves), 0
+        groups: dict[str, list[int]] = {}
+        for _, a in leaves:
+            entry = groups.setdefault(_DTYPE_NAMES.get(a.dtype, str(a.dtype)), [0, 0])
+            entry[0] += 1
+            entry[1] += int(a.nbytes)
+        return [WeightGroup(dtype, "dense", "every pass", n, b) for dtype, (n, b) in groups.items()]
 
     @property
     def dtype_name(self) -> str:
