@@ -1,4 +1,6 @@
-"""Llama-family decoder in MLX: the mirror of model.py (same names, shapes and numerics).
+"""Llama-family decoder in MLX: the mirror of model.py (same names, shapes and numerics), for the
+same architectures: Llama, Qwen2, Mistral, Qwen3 (q/k norms) and Gemma 3 (q/k norms, four norms a
+layer, GELU, scaled embeddings, local and global layers with their own rope).
 
 Parameter names follow Hugging Face, as in the torch model, so the same safetensors load without
 renaming. ``Transformer.__call__`` takes the same packed batch as the torch model: the tokens of
@@ -7,8 +9,10 @@ layers run once over all N rows; attention runs per sequence against that sequen
 
 Numerics follow model.py step by step so float32 logits agree with torch to rounding: RoPE uses a
 cos/sin table computed the same way (float32 ``t * inv_freq``, rounded to the model dtype) and HF's
-rotate_half convention; RMSNorm is ``mx.fast.rms_norm`` (float32 inside); attention is
-``mx.fast.scaled_dot_product_attention``, which handles grouped KV heads itself.
+rotate_half convention, one table per rope kind (``args.rope_kinds``); RMSNorm is
+``mx.fast.rms_norm`` (float32 inside), its weight the factor it multiplies by (Gemma's (1 + weight)
+added once at load, in ``build_model``); attention is ``mx.fast.scaled_dot_product_attention``,
+which handles grouped KV heads itself.
 
 Dimension names: N packed tokens, H query heads, KV key/value heads, D head dim, C hidden size,
 L keys attended, V vocabulary, P rope positions.
@@ -60,12 +64,18 @@ class Attention(nn.Module):
         self.n_kv = args.num_kv_heads
         self.head_dim = args.head_size
         self.window = args.windows[layer_idx]
+        self.rope_kind = args.rope_kinds[layer_idx]
         c = args.hidden_size
         self.q_proj = nn.Linear(c, self.n_heads * self.head_dim, bias=args.attention_bias)
         self.k_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.scale = args.attn_scale
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def __call__(
         self,
@@ -79,6 +89,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(n, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(n, self.n_kv, self.head_dim)
         v = self.v_proj(x).reshape(n, self.n_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, before rope
         cos_, sin_ = cos[:, None], sin[:, None]  # [N, 1, D]
         q = q * cos_ + rotate_half(q) * sin_
         k = k * cos_ + rotate_half(k) * sin_
@@ -121,9 +133,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c, f, bias=args.mlp_bias)
         self.up_proj = nn.Linear(c, f, bias=args.mlp_bias)
         self.down_proj = nn.Linear(f, c, bias=args.mlp_bias)
+        self.gelu = args.activation == "gelu_tanh"
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = nn.gelu_approx(gate) if self.gelu else nn.silu(gate)  # gelu_approx: the tanh form
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -133,10 +148,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Gemma 3: post_attention_layernorm normalizes the attention's output, these the MLP's
+        # input and output (elsewhere post_attention_layernorm is the MLP's input norm).
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, spans, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, rope, spans, cache):
+        cos, sin = rope[self.self_attn.rope_kind]
+        a = self.self_attn(self.input_layernorm(x), cos, sin, spans, cache)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Backbone(nn.Module):
@@ -159,6 +186,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # Underscored attributes are not parameters (mlx.nn skips them).
         self._rope_max = 0
+        self._rope_kinds = sorted(set(args.rope_kinds))
         self._cos = mx.zeros((0,))
         self._sin = mx.zeros((0,))
 
@@ -175,14 +203,25 @@ class Transformer(nn.Module):
         """Precompute cos/sin for positions [0, max_positions) (idempotent)."""
         if max_positions <= self._rope_max:
             return
-        inv = mx.array(rope_inv_freq(self.args), dtype=mx.float32)  # [D/2]
         t = mx.arange(max_positions, dtype=mx.float32)
-        freqs = t[:, None] * inv[None]  # [P, D/2], the float32 products torch.outer forms
-        emb = mx.concatenate([freqs, freqs], axis=-1)  # [P, D]
-        self._cos = mx.cos(emb).astype(self.dtype)
-        self._sin = mx.sin(emb).astype(self.dtype)
+        cos, sin = [], []
+        for kind in range(max(self._rope_kinds) + 1):  # [kinds, P, D]; a kind no layer uses stays unread
+            inv = mx.array(rope_inv_freq(self.args, kind), dtype=mx.float32)  # [D/2]
+            freqs = t[:, None] * inv[None]  # [P, D/2], the float32 products torch.outer forms
+            emb = mx.concatenate([freqs, freqs], axis=-1)  # [P, D]
+            cos.append(mx.cos(emb).astype(self.dtype))
+            sin.append(mx.sin(emb).astype(self.dtype))
+        self._cos = mx.stack(cos)
+        self._sin = mx.stack(sin)
         mx.eval(self._cos, self._sin)
         self._rope_max = max_positions
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """[N, C] input embeddings of ``tokens`` (Gemma's scaled by sqrt(C), rounded to the model
+        dtype first as transformers does)."""
+        x = self.model.embed_tokens(tokens)
+        scale = self.args.embed_scale
+        return x if scale is None else x * mx.array(scale, dtype=x.dtype)
 
     def __call__(
         self,
@@ -195,10 +234,13 @@ class Transformer(nn.Module):
         if tokens.ndim != 1 or tokens.shape != positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be equal 1-D")
         _check_spans(spans, tokens.shape[0])
-        cos, sin = self._cos[positions], self._sin[positions]  # [N, D]
-        x = self.model.embed_tokens(tokens)  # [N, C]
+        rope = [
+            (self._cos[k][positions], self._sin[k][positions]) if k in self._rope_kinds else None  # [N, D]
+            for k in range(self._cos.shape[0])
+        ]
+        x = self.embed(tokens)  # [N, C]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, spans, cache)
+            x = layer(x, rope, spans, cache)
         h = self.model.norm(x[logits_rows])  # [B, C]
         if self.args.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
@@ -223,6 +265,8 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
     "LlamaForCausalLM": Transformer,
     "Qwen2ForCausalLM": Transformer,
     "MistralForCausalLM": Transformer,
+    "Qwen3ForCausalLM": Transformer,
+    "Gemma3ForCausalLM": Transformer,
 }
 
 
@@ -244,6 +288,9 @@ def build_model(args: ModelArgs, state_dict: dict[str, mx.array], *, dtype: mx.D
             f"weights do not match {args.architecture}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
+    if args.norm_offset:
+        # Gemma's norms scale by (1 + weight): held as that factor (in float32, then rounded).
+        sd = {k: v.astype(mx.float32) + args.norm_offset if k.endswith("norm.weight") else v for k, v in sd.items()}
     for name in sorted(expected):
         if tuple(sd[name].shape) != tuple(params[name].shape):
             raise ValueError(
