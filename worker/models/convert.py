@@ -2,8 +2,8 @@
 
     python -m muxworker.worker.models.convert MODEL.gguf OUT_DIR [--dtype float32|bfloat16|float16]
 
-Reads the file with the gguf package (memory-mapped), undoes llama.cpp's rotary row permutation of
-attn_q/attn_k, and writes config.json, tokenizer.json, tokenizer_config.json and
+Reads the file's header with gguf_file.GGUFFile (the tensors stay memory-mapped), undoes llama.cpp's
+rotary row permutation of a llama's attn_q/attn_k and its (1 + weight) Gemma norms, and writes config.json, tokenizer.json, tokenizer_config.json and
 generation_config.json, plus the weights in one of two ways:
 
 - ``weights="copy"`` (the command line): model.safetensors with every tensor dequantized by
@@ -15,8 +15,9 @@ generation_config.json, plus the weights in one of two ways:
   the worker reads quantized tensors straight from the memory-mapped file, keeping their blocks
   for the native decode step or dequantizing them at load (--weights quantized|float).
 
-Supported: general.architecture "llama" with a byte-level BPE vocabulary (tokenizer.ggml.model
-"gpt2"). Anything else is refused with `UnsupportedGGUFError` rather than converted approximately.
+Supported: general.architecture llama (Llama 2/3.x, SmolLM2), qwen2, qwen3 and gemma3, with the
+vocabularies gguf_vocab.py reads. Anything else is refused with `UnsupportedGGUFError` rather than
+converted approximately.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TextIO
 
-import gguf
 import numpy as np
 import torch
 
 from muxworker.worker.models.args import GEMMA3_DEFAULTS
 from muxworker.worker.models.base import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
+from muxworker.worker.models.gguf_file import GGUFFile, GGUFTensorInfo
 from muxworker.worker.models.gguf_tensors import (
     GGUF_ARCHITECTURES,
     GGUF_LINK,
@@ -52,24 +53,11 @@ from muxworker.worker.models.gguf_tensors import (
 )
 from muxworker.worker.models.gguf_vocab import UnsupportedGGUFError, build_tokenizer, require
 
-__all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main", "read_gguf_metadata"]
+__all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main"]
 
 
 # --------------------------------------------------------------------------------------------
 # Metadata
-
-
-def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Every key-value field as plain Python values (str, int, float, bool, list)."""
-    metadata: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):  # version, tensor_count, kv_count: file structure, not metadata
-            continue
-        try:
-            metadata[name] = field.contents()
-        except UnicodeDecodeError as e:
-            raise InvalidModelError(f"GGUF metadata field {name!r} holds invalid UTF-8: {e}") from e
-    return metadata
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +67,8 @@ def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _TensorPlan:
     hf_name: str
-    source: Any  # gguf.ReaderTensor
+    file: GGUFFile
+    source: GGUFTensorInfo
     shape: tuple[int, ...]  # numpy/torch order (reversed GGML ne)
     rotary_heads: int | None  # set for attn_q/attn_k: heads to unpermute over
     add: float  # added on read (NORM_ADD)
@@ -88,14 +77,7 @@ class _TensorPlan:
         """Where this tensor lies in the GGUF file, for the tensor index of a linked directory."""
         t = self.source
         return TensorEntry(
-            self.hf_name,
-            t.name,
-            t.tensor_type.name,
-            self.shape,
-            int(t.data_offset),
-            int(t.n_bytes),
-            self.rotary_heads,
-            self.add,
+            self.hf_name, t.name, t.type.name, self.shape, t.offset, t.nbytes, self.rotary_heads, self.add
         )
 
 
@@ -103,10 +85,10 @@ class _TensorPlan:
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def _plan_tensors(reader: gguf.GGUFReader, arch: str, n_head: int, n_kv_head: int, n_layer: int) -> list[_TensorPlan]:
+def _plan_tensors(file: GGUFFile, arch: str, n_head: int, n_kv_head: int, n_layer: int) -> list[_TensorPlan]:
     plans: list[_TensorPlan] = []
     permuted = arch in ROTARY_PERMUTED
-    for t in reader.tensors:
+    for t in file.tensors:
         if t.name == _ROPE_FREQS:
             continue
         heads = None
@@ -114,14 +96,13 @@ def _plan_tensors(reader: gguf.GGUFReader, arch: str, n_head: int, n_kv_head: in
             heads = n_head
         elif permuted and ".attn_k." in t.name:
             heads = n_kv_head
-        # GGML lists ne0 (the contiguous dimension) first; numpy and torch list it last.
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.shape
         try:
             name = hf_tensor_name(t.name, arch)
         except GGUFTensorError as e:
             raise UnsupportedGGUFError(str(e)) from None
         add = NORM_ADD.get(arch, 0.0) if name.endswith("norm.weight") else 0.0
-        plans.append(_TensorPlan(name, t, shape, heads, add))
+        plans.append(_TensorPlan(name, file, t, shape, heads, add))
     names = {p.hf_name for p in plans}
     if len(names) != len(plans):
         raise InvalidModelError("GGUF file holds the same tensor twice")
@@ -140,7 +121,7 @@ def _plan_tensors(reader: gguf.GGUFReader, arch: str, n_head: int, n_kv_head: in
 def _dequantize(plan: _TensorPlan) -> np.ndarray:
     t = plan.source
     try:  # float32 for every type; F32 tensors come back as a view of the memory map
-        values = dequantize_tensor(t.data, t.tensor_type.name, plan.shape, plan.rotary_heads)
+        values = dequantize_tensor(plan.file.data(t), t.type.name, plan.shape, plan.rotary_heads)
     except GGUFTensorError as e:
         raise UnsupportedGGUFError(str(e)) from None
     return values + np.float32(plan.add) if plan.add else values
@@ -193,7 +174,11 @@ def _write_tensor(f: BinaryIO, values: np.ndarray, dtype: torch.dtype) -> None:
 
 
 def _model_config(
-    metadata: dict[str, Any], arch: str, plans: list[_TensorPlan], rope_freqs: Any, dtype: torch.dtype | None
+    metadata: dict[str, Any],
+    arch: str,
+    plans: list[_TensorPlan],
+    rope_freqs: _TensorPlan | None,
+    dtype: torch.dtype | None,
 ) -> dict[str, Any]:
     def key(name: str) -> str:
         return f"{arch}.{name}"
@@ -336,13 +321,8 @@ def convert_gguf(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
     start = time.monotonic()
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError) as e:
-        raise InvalidModelError(f"{gguf_path} is not a readable GGUF file: {e}") from e
-    if reader.byte_order != "I":
-        raise UnsupportedGGUFError(f"{gguf_path} is a byte-swapped (big-endian) GGUF")
-    metadata = read_gguf_metadata(reader)
+    file = GGUFFile(gguf_path)
+    metadata = file.metadata
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedGGUFError(
@@ -352,9 +332,9 @@ def convert_gguf(
     n_head = int(require(metadata, f"{arch}.attention.head_count"))
     n_kv_head = int(metadata.get(f"{arch}.attention.head_count_kv", n_head))
     n_layer = int(require(metadata, f"{arch}.block_count"))
-    plans = _plan_tensors(reader, arch, n_head, n_kv_head, n_layer)
-    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
-    rope_freqs = None if freqs is None else _TensorPlan(_ROPE_FREQS, freqs, (int(freqs.n_elements),), None, 0.0)
+    plans = _plan_tensors(file, arch, n_head, n_kv_head, n_layer)
+    freqs = next((t for t in file.tensors if t.name == _ROPE_FREQS), None)
+    rope_freqs = None if freqs is None else _TensorPlan(_ROPE_FREQS, file, freqs, (freqs.n_elements,), None, 0.0)
     config = _model_config(metadata, arch, plans, rope_freqs, dtype if weights == "copy" else None)
     tokenizer, tokenizer_config, generation_config = build_tokenizer(metadata)
     if (n_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config["vocab_size"]:

@@ -199,7 +199,7 @@ def test_refuses_non_empty_output_dir(tmp_path: Path) -> None:
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     (tmp_path / "model.gguf").write_bytes(b"not a gguf at all" * 10)
-    with pytest.raises(InvalidModelError, match="not a readable GGUF"):
+    with pytest.raises(InvalidModelError, match="is not a GGUF file"):
         convert_gguf(tmp_path / "model.gguf", tmp_path / "out", progress=None)
 
 
