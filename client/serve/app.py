@@ -43,6 +43,7 @@ from . import responses as rs
 from . import responses_api as ra
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .policy import HttpPolicy
+from .reasoning import ReasoningParser
 from .service import ModelService, SavePolicy, session_object
 from .tenants import IMPLICIT, RESPONSE, Tenant, internal_id
 from .tools import OutputParser
@@ -321,6 +322,14 @@ class _GenerationEndpoint:
                     constraint = fmt.constraint(parsed.tools)
                     if constraint is not None:
                         params = CheckedParams(params.session_id, {**params.fields, "constraint": constraint})
+                thinking = self.service.thinking()
+                if thinking is not None:  # reasoning apart from the answer, which alone the tool parser reads
+                    start = thinking.start(prompt)
+                    parser = thinking.parser(start, parser)
+                    given = params.fields.get("constraint")
+                    constraint = thinking.constrain(given, start)
+                    if constraint is not given:
+                        params = CheckedParams(params.session_id, {**params.fields, "constraint": constraint})
             elif isinstance(parsed.prompt, str):
                 prompt = await self.service.encode(parsed.prompt)
             else:
@@ -433,8 +442,9 @@ class _GenerationEndpoint:
         assert choice.stream is not None
         entries = choice.stream.logprobs_from(choice.sent)
         content = choice.parser.feed(text)
-        if content or entries:
-            await out.send(out.writer.delta(content, entries, choice.index))
+        reasoning = choice.parser.pop_reasoning()
+        if content or entries or reasoning:
+            await out.send(out.writer.delta(content, entries, choice.index, reasoning))
         choice.sent += len(entries)
         deltas = choice.parser.pop_deltas()
         if deltas:
@@ -442,8 +452,9 @@ class _GenerationEndpoint:
 
     async def _end_choice(self, out: _Out, choice: _Choice, result: Any, session: dict | None = None) -> None:
         content, calls = choice.parser.finish()
-        if content:
-            await out.send(out.writer.delta(content, (), choice.index))
+        reasoning = choice.parser.pop_reasoning()
+        if content or reasoning:
+            await out.send(out.writer.delta(content, (), choice.index, reasoning))
         deltas = choice.parser.pop_deltas()
         if deltas:
             await out.send(out.writer.call_deltas(deltas, choice.index))
@@ -519,8 +530,16 @@ class _GenerationEndpoint:
             await turn.settle(choice.result)
             entries = ra.logprob_entries(logprobs, choice.result.logprobs)
             status = "incomplete" if choice.result.finish_reason == "length" else "completed"
-            output = ra.output_items(choice.text, choice.calls, choice.result, entries)
-            body = ra.response_object(rid, rq, time.time(), status=status, output=output, result=choice.result)
+            output = ra.output_items(choice.text, choice.calls, choice.result, entries, choice.reasoning)
+            body = ra.response_object(
+                rid,
+                rq,
+                time.time(),
+                status=status,
+                output=output,
+                result=choice.result,
+                reasoning_tokens=choice.reasoning_tokens,
+            )
             if rq.store:
                 await self._store(tenant, rid, body, rq, turn.sid)
             await _json(body, 200, turn.headers())(scope, receive, send)
@@ -530,6 +549,7 @@ class _GenerationEndpoint:
         if gone:
             return 499
         writer = ra.EventWriter(rid, rq, logprobs)
+        thinks = isinstance(parser, ReasoningParser)
         await _start_events(send, turn)
         await _body(send, writer.start())
         sent = 0
@@ -538,8 +558,13 @@ class _GenerationEndpoint:
             nonlocal sent
             entries = stream.logprobs_from(sent)
             content = parser.feed(text)
-            sent += len(entries)
-            out = writer.text(content, entries) if content or entries else b""
+            reasoning = parser.pop_reasoning()
+            out = writer.reasoning(reasoning) if reasoning else b""
+            # The message's logprobs are every token's, as the body's are: those of reasoning
+            # wait for its first text.
+            if content or (entries and not thinks):
+                out += writer.text(content, entries)
+                sent += len(entries)
             deltas = parser.pop_deltas()
             await _body(send, out + (writer.calls(deltas) if deltas else b""))
 
@@ -560,10 +585,13 @@ class _GenerationEndpoint:
             return 499
         await turn.settle(result)
         rest, calls = parser.finish()
-        tail = writer.text(rest) if rest else b""
+        reasoning = parser.pop_reasoning()
+        tail = writer.reasoning(reasoning) if reasoning else b""
+        if rest:
+            tail += writer.text(rest, stream.logprobs_from(sent) if thinks else ())
         deltas = parser.pop_deltas()
         tail += writer.calls(deltas) if deltas else b""
-        events, final = writer.finish(result, calls)
+        events, final = writer.finish(result, calls, parser.reasoning_tokens(result.generated_token_ids))
         if rq.store:
             await self._store(tenant, rid, final, rq, turn.sid)
         await _body(send, tail + events, more=False)
@@ -600,7 +628,15 @@ class _GenerationEndpoint:
         result = await choice.stream.wait()
         rest, calls = choice.parser.finish()
         parts.append(rest)
-        return rs.Choice(choice.index, "".join(parts), result, calls)
+        parser = choice.parser
+        return rs.Choice(
+            choice.index,
+            "".join(parts),
+            result,
+            calls,
+            reasoning=parser.reasoning,
+            reasoning_tokens=parser.reasoning_tokens(result.generated_token_ids),
+        )
 
     async def _complete(self, scope: Scope, receive: Receive, send: Send, turn: _Turn, parsed: Any, t0: float) -> int:
         first = _Choice(0, turn.sid, turn.runtime, turn.stream, turn.parser)
@@ -703,7 +739,11 @@ class _GenerationEndpoint:
             return 499
         await self._end_choice(out, main, ordered[0], await turn.settle(ordered[0]))
         if parsed.include_usage:
-            await _body(send, writer.usage(ordered, turn.cached))
+            parsers = [main.parser, *(c.parser for c in turn.extras)]
+            reasoning = rs.reasoning_total(
+                [p.reasoning_tokens(r.generated_token_ids) for p, r in zip(parsers, ordered)]
+            )
+            await _body(send, writer.usage(ordered, turn.cached, reasoning))
         await _body(send, rs.DONE, more=False)
         return 200
 
@@ -837,6 +877,9 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
             "created": started,
             "owned_by": "muxworker",
             "max_model_len": service.max_model_len(),
+            # muxworker's own: how each tensor type is held (mapped GGUF blocks, dense) and which
+            # passes run it.
+            "weights": service.weight_groups(),
         }
 
     @_endpoint(guard, "health", auth=False)

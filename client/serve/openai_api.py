@@ -262,8 +262,8 @@ class _Common:
 
 @dataclass
 class ChatRequest(_Common):
-    # role, content, and for an assistant's calls "tool_calls" ([ToolCall]); a tool result's
-    # "tool_call_id" and "name" (the function its call named)
+    # role, content, and for an assistant's calls "tool_calls" ([ToolCall]) and its reasoning
+    # "reasoning_content"; a tool result's "tool_call_id" and "name" (the function its call named)
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: ToolRequest | None = None
 
@@ -520,6 +520,14 @@ def parse_chat_request(
         content = m.get("content")
         text = "" if content is None and role == "assistant" else _content_text(content, i)
         message: dict[str, Any] = {"role": role, "content": text}
+        if role == "assistant":
+            # The turn's reasoning, as a model that thinks returned it (vLLM's names): the chat
+            # template renders it back or drops it (client/serve/reasoning.py).
+            reasoning = next((m[k] for k in ("reasoning_content", "reasoning") if m.get(k) is not None), None)
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise bad_request(f"messages[{i}].reasoning_content must be a string", param="messages")
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
         if role == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = calls = _tool_calls(m["tool_calls"], i)
             called.update((c.id, c.name) for c in calls)

@@ -15,22 +15,44 @@ from muxworker.client.params import GenerationResult, TokenLogprob
 from .openai_api import APIError
 from .tools import CallDelta, ToolCall
 
-__all__ = ["Choice", "ChunkWriter", "DONE", "Logprobs", "completion_body", "finish_reason", "new_id", "usage"]
+__all__ = [
+    "Choice",
+    "ChunkWriter",
+    "DONE",
+    "Logprobs",
+    "completion_body",
+    "finish_reason",
+    "new_id",
+    "reasoning_total",
+    "usage",
+]
 
 
-def usage(results: Sequence[GenerationResult], cached: int | None = None) -> dict[str, Any]:
+def usage(
+    results: Sequence[GenerationResult], cached: int | None = None, reasoning: int | None = None
+) -> dict[str, Any]:
     """OpenAI's usage object of one request's choices (the prompt counted once); ``cached_tokens``
     are the prompt tokens whose KV was reused (the session's own history, a resumed file, or a
-    prefix-cache entry of the same namespace): the first choice's, unless ``cached`` says."""
+    prefix-cache entry of the same namespace): the first choice's, unless ``cached`` says.
+    ``reasoning``: the choices' reasoning tokens, for a model that thinks (None: no details)."""
     prompt = results[0].prompt_tokens
     completion = sum(r.completion_tokens for r in results)
     reused = results[0].reused_prompt_tokens if cached is None else cached
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": reused},
     }
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
+
+
+def reasoning_total(counts: Sequence[int | None]) -> int | None:
+    """The reasoning tokens of a request's choices together (None: a model that does not think)."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 def finish_reason(result: GenerationResult, calls: Sequence[ToolCall] = ()) -> str:
@@ -86,16 +108,21 @@ class Logprobs:
 
 @dataclass
 class Choice:
-    """One choice of a reply: its text (content), tool calls, result and logprobs."""
+    """One choice of a reply: its text (content), tool calls, result and logprobs; and for a model
+    that thinks, its reasoning (None: it wrote none) and reasoning tokens (client/serve/reasoning.py)."""
 
     index: int
     text: str
     result: GenerationResult
     calls: Sequence[ToolCall] = ()
     logprobs: Logprobs | None = None
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
     def chat(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.text if self.text or not self.calls else None}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
         if self.calls:
             message["tool_calls"] = [c.openai() for c in self.calls]
         return {"index": self.index, "message": message, **self._tail()}
@@ -125,7 +152,7 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": [c.chat() if chat else c.completion() for c in choices],
-        "usage": usage([c.result for c in choices], cached),
+        "usage": usage([c.result for c in choices], cached, reasoning_total([c.reasoning_tokens for c in choices])),
     }
     if sid is not None:
         body["session_id"] = sid
@@ -168,14 +195,18 @@ class ChunkWriter:
         }
         return self._event({**self._head, "choices": [choice]})
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> bytes:
-        """A chunk of ``text``, with the logprobs of the tokens that made it (when asked for)."""
-        if self.logprobs is None and index == 0:
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0, reasoning: str = "") -> bytes:
+        """A chunk of ``text``, with the logprobs of the tokens that made it (when asked for);
+        ``reasoning``: the reasoning they made (chat, a model that thinks), before the text."""
+        if self.logprobs is None and index == 0 and not reasoning:
             return (self._open + json.dumps(text) + self._close).encode()
         lp = self.logprobs.of(logprobs) if self.logprobs is not None else None
         choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": None}
         if self.chat:
-            choice["delta"] = {"content": text}
+            delta: dict[str, Any] = {"content": text}
+            if reasoning:  # as vLLM streams it: the reasoning, and content only once there is some
+                delta = {"reasoning_content": reasoning, **({"content": text} if text else {})}
+            choice["delta"] = delta
         else:
             choice["text"] = text
         return self._event({**self._head, "choices": [choice]})
@@ -218,8 +249,10 @@ class ChunkWriter:
             chunk["session"] = session
         return self._event(chunk)
 
-    def usage(self, results: Sequence[GenerationResult], cached: int | None = None) -> bytes:
-        return self._event({**self._head, "choices": [], "usage": usage(results, cached)})
+    def usage(
+        self, results: Sequence[GenerationResult], cached: int | None = None, reasoning: int | None = None
+    ) -> bytes:
+        return self._event({**self._head, "choices": [], "usage": usage(results, cached, reasoning)})
 
     @staticmethod
     def error(err: APIError) -> bytes:

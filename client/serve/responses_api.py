@@ -25,10 +25,18 @@ from . import openai_api as oa
 from .responses import Logprobs
 from .tools import CallDelta, ToolCall
 
-__all__ = ["EventWriter", "ResponsesRequest", "output_items", "parse_responses_request", "response_object"]
+__all__ = [
+    "EventWriter",
+    "ResponsesRequest",
+    "output_items",
+    "parse_responses_request",
+    "reasoning_item",
+    "response_object",
+]
 
 #: Fields read here. Others are accepted and ignored (``ignored``), as OpenAI's newer fields must
-#: not break an older server; these change nothing here: ``reasoning`` (no reasoning model),
+#: not break an older server; these change nothing here: ``reasoning`` (a model thinks as its
+#: chat template has it: client/serve/reasoning.py),
 #: ``include``, ``metadata`` (echoed), ``service_tier``, ``user``, ``safety_identifier``,
 #: ``prompt_cache_retention``, ``max_tool_calls`` (built-in tools only), ``stream_options``.
 _FIELDS = frozenset(
@@ -184,34 +192,75 @@ def normalize_input(raw: Any) -> list[dict[str, Any]]:
                 }
             )
         elif kind == "reasoning":
-            continue  # another model's reasoning: nothing this one reads
+            thought = _reasoning_text(item)
+            if thought is None:
+                continue  # another model's (encrypted, or a summary only): nothing this one reads
+            items.append(reasoning_item(item.get("id") or new_id("rs"), thought, _summary(item.get("summary"))))
         else:
             raise oa.bad_request(
-                f"input[{i}] is of type {kind!r:.40}; served here: message, function_call, function_call_output",
+                f"input[{i}] is of type {kind!r:.40}; served here: message, function_call, function_call_output, reasoning",
                 param="input",
                 code="unsupported",
             )
     return items
 
 
+def _reasoning_text(item: Mapping[str, Any]) -> str | None:
+    """A reasoning item's text (its ``reasoning_text`` parts); None when it has none."""
+    content = item.get("content")
+    parts = [
+        p["text"]
+        for p in (content if isinstance(content, list) else [])
+        if isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
+    ]
+    return "".join(parts) if parts else None
+
+
+def _summary(raw: Any) -> list[dict[str, str]]:
+    """A reasoning item's ``summary`` parts, as kept with it."""
+    parts = raw if isinstance(raw, list) else []
+    return [
+        {"type": "summary_text", "text": p["text"]}
+        for p in parts
+        if isinstance(p, dict) and p.get("type") == "summary_text" and isinstance(p.get("text"), str)
+    ]
+
+
+def reasoning_item(item_id: str, text: str, summary: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """A model's reasoning as OpenAI's ``reasoning`` output item (client/serve/reasoning.py)."""
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": summary or [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
 def chat_messages(instructions: str | None, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The chat messages (openai_api.py's request shape) of ``instructions`` and ``items``: a
-    function call joins the assistant message before it, as the model wrote them in one turn."""
+    function call joins the assistant message before it, as the model wrote them in one turn, and
+    a reasoning item begins the assistant turn it came with (its ``reasoning_content``)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     for item in items:
         kind = item["type"]
-        if kind == "message":
+        last = messages[-1] if messages else None
+        if kind == "reasoning":
+            text = "".join(p["text"] for p in item["content"])
+            messages.append({"role": "assistant", "content": None, "reasoning_content": text})
+        elif kind == "message":
             text = "".join(p.get("text", p.get("refusal", "")) for p in item["content"])
-            messages.append({"role": item["role"], "content": text})
+            if item["role"] == "assistant" and last is not None and _reasoning_only(last):
+                last["content"] = text  # the answer after its reasoning: one turn
+            else:
+                messages.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -219,6 +268,16 @@ def chat_messages(instructions: str | None, items: Sequence[Mapping[str, Any]]) 
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
+
+
+def _reasoning_only(message: Mapping[str, Any]) -> bool:
+    """An assistant turn that so far holds only its reasoning."""
+    return (
+        message["role"] == "assistant"
+        and message.get("reasoning_content") is not None
+        and message.get("content") is None
+        and not message.get("tool_calls")
+    )
 
 
 def _chat_tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -332,7 +391,7 @@ def parse_responses_request(
     )
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
+def usage(result: GenerationResult, reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {
         "input_tokens": result.prompt_tokens,
         # The prompt tokens prefilled now are what this turn wrote to the cache (its session keeps them).
@@ -341,18 +400,25 @@ def usage(result: GenerationResult) -> dict[str, Any]:
             "cache_write_tokens": result.prompt_tokens - result.reused_prompt_tokens,
         },
         "output_tokens": result.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens or 0},
         "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
 
 
 def output_items(
-    text: str, calls: Sequence[ToolCall], result: GenerationResult, logprobs: list[dict[str, Any]] | None = None
+    text: str,
+    calls: Sequence[ToolCall],
+    result: GenerationResult,
+    logprobs: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> list[dict[str, Any]]:
-    """A turn's output: its text as a message (when there is text, or no call), then its calls."""
+    """A turn's output: its reasoning (a model that thinks), its text as a message (when there is
+    text, or neither a call nor reasoning), then its calls."""
     status = "incomplete" if result.finish_reason == "length" else "completed"
     items: list[dict[str, Any]] = []
-    if text or not calls:
+    if reasoning is not None:
+        items.append(reasoning_item(new_id("rs"), reasoning))
+    if text or not (calls or reasoning is not None):
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         items.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant", "content": [part]})
     for call in calls:
@@ -380,6 +446,7 @@ def response_object(
     output: list[dict[str, Any]] | None = None,
     result: GenerationResult | None = None,
     error: oa.APIError | None = None,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The response object: what the request set, echoed, and (once it ended) its output and usage."""
     body = request.body
@@ -411,7 +478,7 @@ def response_object(
         "top_logprobs": body.get("top_logprobs"),
         "top_p": body.get("top_p"),
         "truncation": request.truncation,
-        "usage": usage(result) if result is not None else None,
+        "usage": usage(result, reasoning_tokens) if result is not None else None,
         "user": body.get("user"),
         "metadata": body.get("metadata") or {},
         "background": False,
@@ -459,6 +526,8 @@ class EventWriter:
         self.output: list[dict[str, Any]] = []  # items as they stand
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # call index -> its open item
+        self._reasoning: dict[str, Any] | None = None  # the reasoning item (first, when the model thinks)
+        self._reasoning_open = False
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -472,8 +541,48 @@ class EventWriter:
         snap = self._snapshot("in_progress")
         return self._event("response.created", response=snap) + self._event("response.in_progress", response=snap)
 
-    def text(self, delta: str, entries: Sequence[TokenLogprob] = ()) -> bytes:
+    def reasoning(self, delta: str) -> bytes:
+        """A piece of the reasoning; its item opens with the first piece."""
         out = b""
+        if self._reasoning is None:
+            item = reasoning_item(new_id("rs"), "")
+            item["content"] = []
+            self._reasoning, self._reasoning_open = item, True
+            self.output.append(item)
+            index = len(self.output) - 1
+            out += self._event("response.output_item.added", output_index=index, item=item)
+            part = {"type": "reasoning_text", "text": ""}
+            out += self._event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+            )
+            item["content"].append({**part})
+        item = self._reasoning
+        item["content"][0]["text"] += delta
+        return out + self._event(
+            "response.reasoning_text.delta",
+            item_id=item["id"],
+            output_index=self.output.index(item),
+            content_index=0,
+            delta=delta,
+        )
+
+    def _close_reasoning(self) -> bytes:
+        """The reasoning's closing events, once, before the next item opens."""
+        if self._reasoning is None or not self._reasoning_open:
+            return b""
+        self._reasoning_open = False
+        item, index = self._reasoning, self.output.index(self._reasoning)
+        part = item["content"][0]
+        out = self._event(
+            "response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"]
+        )
+        out += self._event(
+            "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+        )
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def text(self, delta: str, entries: Sequence[TokenLogprob] = ()) -> bytes:
+        out = self._close_reasoning()
         if self._message is None:
             item: dict[str, Any] = {
                 "type": "message",
@@ -505,7 +614,7 @@ class EventWriter:
         )
 
     def calls(self, deltas: Sequence[CallDelta]) -> bytes:
-        out = b""
+        out = self._close_reasoning() if deltas else b""
         for d in deltas:
             item = self._calls.get(d.index)
             if item is None:
@@ -524,11 +633,13 @@ class EventWriter:
                 )
         return out
 
-    def finish(self, result: GenerationResult, calls: Sequence[ToolCall]) -> tuple[bytes, dict[str, Any]]:
+    def finish(
+        self, result: GenerationResult, calls: Sequence[ToolCall], reasoning_tokens: int | None = None
+    ) -> tuple[bytes, dict[str, Any]]:
         """The closing events and the final response object."""
-        out = b""
+        out = self._close_reasoning()
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        if self._message is None and not calls and not self._calls:
+        if self._message is None and not calls and not self._calls and self._reasoning is None:
             out += self.text("")  # an empty reply is still one message
         if self._message is not None:
             item, index = self._message, self.output.index(self._message)
@@ -560,7 +671,7 @@ class EventWriter:
                 arguments=call.arguments,
             )
             out += self._event("response.output_item.done", output_index=index, item=item)
-        final = self._snapshot(status, result=result)
+        final = self._snapshot(status, result=result, reasoning_tokens=reasoning_tokens)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return out + self._event(kind, response=final), final
 

@@ -8,7 +8,9 @@ sharing the longest prefix with it and says how to use it (:class:`Plan`):
 
 - **in place**: the prompt extends that session's last prompt (the same conversation, one turn
   on; the last reply's tokens may be re-rendered differently, and the engine reuses up to where
-  they differ). The session is idle and of the kind the request may write.
+  they differ; a template that dropped the reasoning of a model that thinks re-renders the
+  ``<think>`` it opened at that prompt's end too). The session is idle and of the kind the
+  request may write.
 - **fork**: the prompt diverges inside that session's last prompt (another branch of the
   conversation: a regenerated turn, an agent's side request), or the session is busy or of
   another kind. The shared rows are copied into a new session, and the one it came from keeps
@@ -73,7 +75,8 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class Entry:
     """One session a prompt may continue. ``tokens`` is its committed history, of which the first
     ``rows`` have KV rows (after a turn the last sampled token has none yet); None until read
-    from the store (a session saved before a restart). ``prompt_len`` is its last prompt's length:
+    from the store (a session saved before a restart). ``prompt_len`` is its last prompt's length
+    (less a reasoning block the template opened at its end, which the next turn renders otherwise):
     a prompt extending that continues the conversation in place (unknown: all of ``tokens``)."""
 
     sid: str
@@ -210,11 +213,15 @@ class ReuseIndex:
         entry.used = time.time()
         self.entries(Tenant(entry.sid.split("/", 1)[0])).move_to_end(entry.sid)
 
-    def note_turn(self, sid: str, prompt: list[int] | None, result: Any, *, ran: bool = True) -> None:
+    def note_turn(
+        self, sid: str, prompt: list[int] | None, result: Any, *, ran: bool = True, rerendered: int = 0
+    ) -> None:
         """A turn on ``sid`` settled: ``result`` its GenerationResult (None: it failed, and the
         engine emptied the session's history), ``prompt`` its token ids (None: not known here).
         ``ran`` False: it never reached the engine's step (refused at submit, or cancelled while
-        queued), so the session's history is as it was."""
+        queued), so the session's history is as it was. ``rerendered``: the prompt's last tokens
+        that the next turn renders otherwise (a reasoning block the template opened, which it
+        drops from past turns): a prompt that diverges there still continues the conversation."""
         entry = self.get(sid)
         if entry is None:
             return
@@ -231,7 +238,7 @@ class ReuseIndex:
             entry.rows = len(prompt) + result.committed_tokens - 1
         else:  # cancelled during its prefill: the prompt rows computed so far
             entry.rows = min(len(prompt), result.reused_prompt_tokens + result.prefilled_prompt_tokens)
-        entry.prompt_len = len(prompt)
+        entry.prompt_len = len(prompt) - rerendered
 
     def release(self, sid: str) -> None:
         """A plan on ``sid`` was not carried out (its request failed before it ran)."""

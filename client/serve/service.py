@@ -49,6 +49,7 @@ from muxworker.worker.spec import WorkerSpec
 
 from .admission import Admission
 from .metrics import ServerMetrics
+from .reasoning import Thinking
 from .reuse import Plan, ReuseIndex
 from .tenants import EPHEMERAL, IMPLICIT, NAMED, RESPONSE, Tenant, TenantQuotaExceeded, _Usage, session_kind
 from .tools import ToolFormat, ToolRequest, tool_format
@@ -143,6 +144,7 @@ class ModelService:
         self.spec = spec
         self.worker_command = spec.command()
         self._tokenizer: Tokenizer | None = None  # the worker's own, loaded here: chat turns render here
+        self._thinking: Thinking | None = None  # the model's reasoning tags, when it thinks (reasoning.py)
         self.store = store
         self.metrics = metrics
         self.config = config
@@ -266,6 +268,7 @@ class ModelService:
             raise
         if self._tokenizer is None:
             self._tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, self.spec.model_dir)
+            self._thinking = Thinking.of(self._tokenizer)
             try:
                 self._message_tokens = _tokens_per_message(self._tokenizer)
             except Exception as exc:  # a template that cannot render empty messages: bound by count only
@@ -424,7 +427,10 @@ class ModelService:
         (refused at submit, cancelled while queued): the session is as it was."""
         if runtime is not self._runtime:
             return
-        self.reuse.note_turn(sid, prompt, result, ran=ran)
+        # A block of reasoning the template opened at the prompt's end is dropped when the next
+        # turn renders this one (Qwen3's templates): that turn continues the session from there.
+        rerendered = self._thinking.rerendered(prompt) if self._thinking is not None and prompt else 0
+        self.reuse.note_turn(sid, prompt, result, ran=ran, rerendered=rerendered)
         kind = session_kind(sid)
         if kind != NAMED:
             entry = self.reuse.get(sid)
@@ -980,6 +986,10 @@ class ModelService:
         limit = client.info.limits.get("max_session_tokens") if client is not None and client.info else None
         return limit // self._message_tokens if isinstance(limit, int) else None
 
+    def thinking(self) -> Thinking | None:
+        """The model's reasoning tags when it thinks (client/serve/reasoning.py), else None."""
+        return self._thinking
+
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls (client/serve/tools.py), from its chat template."""
         assert self._tokenizer is not None  # loaded before the first worker is ready
@@ -1013,6 +1023,12 @@ class ModelService:
         and the runtime that runs it (for :meth:`after_turn` and :meth:`release_ephemeral`)."""
         _, runtime = self._live()
         return runtime.generate(sid, prompt, params.for_session(sid, cache_salt)), runtime
+
+    def weight_groups(self) -> list[dict[str, Any]]:
+        """How the worker holds its weights, by tensor type (``/v1/models``' ``weights``); empty
+        while no worker is up."""
+        client = self._client
+        return [dict(g) for g in client.info.model.weight_groups] if client is not None and client.info else []
 
     def max_model_len(self) -> int | None:
         """The most tokens a session holds, prompt plus reply (the worker's ``max_session_tokens``,

@@ -24,7 +24,8 @@ next turn of a session reuses the whole history, tool calls and results included
 
 :class:`OutputParser` turns the generated text into content and calls, streamed: content as it
 comes (a possible opening tag held back until it is decided), each call's id and name once its
-name is written, then its arguments piece by piece (:class:`CallDelta`).
+name is written, then its arguments piece by piece (:class:`CallDelta`). For a model that thinks,
+reasoning.py's parser stands in front of it and hands it the answer only, never the reasoning.
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ def _lark_text(value: str) -> str:
     return json.dumps(value)
 
 
+def _reasoned(message: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with the reasoning of ``message`` (an assistant turn's, which templates of models
+    that think render or drop: reasoning.py)."""
+    if message.get("reasoning_content") is not None:
+        out["reasoning_content"] = message["reasoning_content"]
+    return out
+
+
 def _parsed_arguments(text: str) -> Any:
     try:
         return json.loads(text)
@@ -186,17 +195,17 @@ class GenericFormat(ToolFormat):
                     f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "arguments": {c.arguments}}}'
                     for c in m["tool_calls"]
                 )
-                out.append({"role": "assistant", "content": f'{{"tool_calls": [{calls}]}}'})
+                out.append(_reasoned(m, {"role": "assistant", "content": f'{{"tool_calls": [{calls}]}}'}))
             elif role == "assistant" and active:
                 value = json.dumps(content, ensure_ascii=False)
                 if request is not None and request.content_schema is not None and _is_json(content):
                     value = content  # a structured reply: the JSON text as the model wrote it
-                out.append({"role": "assistant", "content": f'{{"response": {value}}}'})
+                out.append(_reasoned(m, {"role": "assistant", "content": f'{{"response": {value}}}'}))
             elif role == "tool":
                 result = {"tool_response": {"name": m.get("name") or "", "content": content}}
                 out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
             else:
-                out.append({"role": role, "content": content})
+                out.append(_reasoned(m, {"role": role, "content": content}))
         if active:
             assert request is not None
             block = self._system_block(request)
@@ -287,7 +296,7 @@ class _Native(ToolFormat):
                     }
                     for c in m["tool_calls"]
                 ]
-                out.append({"role": "assistant", "content": m.get("content") or "", "tool_calls": calls})
+                out.append(_reasoned(m, {"role": "assistant", "content": m.get("content") or "", "tool_calls": calls}))
             else:
                 out.append(dict(m))
         return out
@@ -384,6 +393,19 @@ class OutputParser:
     def pop_deltas(self) -> list[CallDelta]:
         """The call pieces found since the last call (after :meth:`feed` or :meth:`finish`)."""
         return []
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reply's reasoning so far (a model that thinks: reasoning.py); None: it has none."""
+        return None
+
+    def pop_reasoning(self) -> str:
+        """The reasoning found since the last call (after :meth:`feed` or :meth:`finish`)."""
+        return ""
+
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int | None:
+        """How many of the reply's ``token_ids`` are reasoning; None: a model that does not think."""
+        return None
 
 
 class _CallScanner:

@@ -1,6 +1,6 @@
 """A scripted stand-in for the HTTP server's ModelService, to drive the real ASGI app in-process
 (httpx's ASGI transport) or behind a real hypercorn socket, with no worker: every generation
-streams two words. What the app sends the service is recorded (``params``), so a test can check
+streams two words (or the service's ``words``, one delta each). What the app sends the service is recorded (``params``), so a test can check
 what a request turned into."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 import trio
 
 from muxworker.client.params import CheckedParams, GenerationResult
+from muxworker.serve.reasoning import Thinking
 from muxworker.serve.service import ServiceConfig
 from muxworker.serve.tools import GENERIC, ToolFormat
 
@@ -18,10 +19,11 @@ WORDS = ["Hello", " there"]
 
 
 class ScriptedStream:
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, words: list[str] = WORDS, token_ids: list[int] | None = None) -> None:
         self.finished = False
         self.prompt_tokens = prompt_tokens
-        self._left = list(WORDS)
+        self._left = list(words)
+        self._ids = list(token_ids) if token_ids is not None else [5, 6]
 
     def __aiter__(self) -> ScriptedStream:
         return self
@@ -34,8 +36,8 @@ class ScriptedStream:
         return self._left.pop(0)
 
     async def wait(self) -> GenerationResult:
-        n = self.prompt_tokens
-        return GenerationResult("stop", n, 1, n - 1, 2, [5, 6], 0.0, 0.0, committed_tokens=2)
+        n, ids = self.prompt_tokens, self._ids
+        return GenerationResult("stop", n, 1, n - 1, len(ids), ids, 0.0, 0.0, committed_tokens=len(ids))
 
     def cancel(self) -> None:
         pass
@@ -66,12 +68,18 @@ class ScriptedService:
     last_error: str | None = None
     config: ServiceConfig = field(default_factory=ServiceConfig)
     admission: _Admission = field(default_factory=_Admission)
+    words: list[str] = field(default_factory=lambda: list(WORDS))  # the deltas every generation streams
+    token_ids: list[int] | None = None  # the generated ids its result reports (None: [5, 6])
+    thinking_tags: Thinking | None = None  # the model thinks (client/serve/reasoning.py)
 
     def max_messages(self) -> int:
         return 100
 
     def max_model_len(self) -> int | None:
         return self.max_session_tokens
+
+    def weight_groups(self) -> list[dict]:
+        return [{"type": "Q8_0", "held": "mapped", "runs": "decode", "tensors": 1, "nbytes": 34}]
 
     def store_health(self) -> dict:
         return {"status": "ok"}
@@ -90,6 +98,9 @@ class ScriptedService:
 
     def tool_format(self) -> ToolFormat:
         return GENERIC
+
+    def thinking(self) -> Thinking | None:
+        return self.thinking_tags
 
     async def check_store_quota(self, tenant: object) -> None:
         pass
@@ -121,4 +132,4 @@ class ScriptedService:
     def generate(self, sid: str, prompt: Any, params: CheckedParams, salt: str) -> tuple[ScriptedStream, None]:
         self.generated += 1
         self.params.append(params)
-        return ScriptedStream(len(prompt)), None
+        return ScriptedStream(len(prompt), self.words, self.token_ids), None

@@ -140,6 +140,17 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
+def tiny_tokenizer(added_tokens: tuple[str, ...] = ()):
+    """The tiny models' tokenizer (a ``tokenizers.Tokenizer``), with ``added_tokens`` as
+    :func:`write_tiny_model` adds them."""
+    tok = _train_tokenizer(384)
+    if added_tokens:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    return tok
+
+
 def write_tiny_model(
     path: Path,
     arch: str = "llama",
@@ -147,16 +158,18 @@ def write_tiny_model(
     seed: int = 0,
     max_position_embeddings: int = 4096,
     chat_template: str = CHAT_TEMPLATE,
+    added_tokens: tuple[str, ...] = (),
     **overrides,
 ) -> Path:
     """Write a tiny random model of ``arch`` to ``path`` and return it (``chat_template``: its
-    tokenizer_config.json's; ChatML by default)."""
+    tokenizer_config.json's; ChatML by default; ``added_tokens``: more single tokens of the
+    vocabulary, added as Qwen3 adds ``<think>`` and ``</think>``: not special, so they decode as text)."""
     import torch
     import transformers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(384)
+    tok = tiny_tokenizer(added_tokens)
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     eos = tok.token_to_id("<|im_end|>")

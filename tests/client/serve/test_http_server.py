@@ -58,6 +58,13 @@ def test_models_health_and_unknown_routes(server):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert client.models.retrieve(server.model).id == server.model
+    # How the worker holds each tensor type: SmolLM2's Q4_1 layers and Q8_0 embedding run packed in
+    # the native decode step, their dense copies prefill.
+    groups = {
+        (g["type"], g["held"], g["runs"]) for g in httpx.get(server.url + "/v1/models").json()["data"][0]["weights"]
+    }
+    assert {("Q4_1", "mapped", "decode"), ("Q8_0", "mapped", "decode")} <= groups
+    assert any(held == "dense" and runs == "prefill" for _, held, runs in groups)
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "store": {"status": "ok"}}
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
