@@ -73,8 +73,10 @@ $(PEER_PY):
 	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
 		$(PEER_PY) -m pip --disable-pip-version-check install -q --no-cache-dir "$(LLAMA_CPP_SPEC)"
 
+# make bench-peer BENCH_PEER_ARGS="--model gemma3-270m" (any GGUF path or model name)
+BENCH_PEER_ARGS ?=
 bench-peer: $(PY) $(PEER_PY)
-	$(PY) scripts/bench_vs_llamacpp.py --peer-python $(PEER_PY)
+	$(PY) scripts/bench_vs_llamacpp.py --peer-python $(PEER_PY) $(BENCH_PEER_ARGS)
 
 # OpenAI's Codex CLI against the server's /v1/responses (not part of `make test`; docs/SERVER.md,
 # "Codex CLI"): installed with npm into build/compat/ (git-ignored; rm it to change CODEX_SPEC).

@@ -210,6 +210,8 @@ def save_state(cfg: dict, engine: Engine, out: dict, base: list[int], n: int, fi
     out["saved_tokens"] = n
     out["pending_token"] = first
     out["suffix_token"] = base[n + 1]
+    # The live session's next turn (what a restore must reproduce): the pending token and the suffix.
+    out["live_next_token"] = engine.prefill([first, base[n + 1]], start=n)
 
 
 def run_state(cfg: dict, engine: Engine, out: dict) -> None:
@@ -233,8 +235,11 @@ def run_restore(cfg: dict, engine: Engine, out: dict) -> None:
     t1 = time.perf_counter()
     if not read or count.value != cfg["saved_tokens"]:
         raise RuntimeError(f"llama_state_seq_load_file read {read} bytes, {count.value} tokens")
+    # What the restored memory holds: a sliding-window cache may keep only the window's positions.
+    out["restored_pos_min"] = llama_cpp.llama_memory_seq_pos_min(engine.mem, 0)
+    out["restored_pos_max"] = llama_cpp.llama_memory_seq_pos_max(engine.mem, 0)
     # The pending token and a 1-token suffix, then the next token: what muxworker's resumed turn does.
-    engine.prefill([cfg["pending_token"], cfg["suffix_token"]], start=count.value)
+    out["restored_next_token"] = engine.prefill([cfg["pending_token"], cfg["suffix_token"]], start=count.value)
     t2 = time.perf_counter()
     out["restore_s"] = t1 - t0
     out["restore_first_token_s"] = t2 - t0

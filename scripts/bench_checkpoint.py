@@ -38,7 +38,7 @@ from bench_vs_llamacpp import TEXT, bundled_gguf_path, peer_problem, peer_run  #
 
 from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker  # noqa: E402
 from muxworker.worker.models.identity import model_identity_files, worker_configuration  # noqa: E402
-from muxworker.worker.models.loader import resolve_model  # noqa: E402
+from muxworker.worker.models.loader import NAMED_MODELS, named_model_path, resolve_model  # noqa: E402
 
 TURN = 64  # new tokens before the incremental save: 60 of prompt, 4 generated
 LONG_SUFFIX = 16
@@ -154,12 +154,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096", help="comma list of session lengths")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", default=None, help="model (default: the bundled SmolLM2 GGUF)")
+    ap.add_argument("--model", default=None, help="a GGUF or a model name (default: the bundled SmolLM2 GGUF)")
     ap.add_argument("--threads", type=int, default=2)
     default_peer = ROOT / ".venv-peer" / "bin" / "python"
     ap.add_argument("--peer-python", default=str(default_peer) if default_peer.exists() else None)
     args = ap.parse_args()
-    gguf = Path(args.model) if args.model else bundled_gguf_path()
+    gguf = named_model_path(args.model) if args.model in NAMED_MODELS else Path(args.model or bundled_gguf_path())
     args.model = str(gguf)
     for n in (int(t) for t in args.tokens.split(",")):
         mux = trio.run(run_mux, args, n)

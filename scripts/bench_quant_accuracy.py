@@ -8,15 +8,19 @@ chunks of 8 rows, which a quantized model runs in the native step, row by row as
 and as one prefill pass (torch's dense path). Also the largest absolute logit difference and the
 mean KL divergence from the reference, so "close" has a number.
 
-    python scripts/bench_quant_accuracy.py [--model PATH] [--positions 64] [--threads 2] [--hf]
+    python scripts/bench_quant_accuracy.py [--model PATH|NAME] [--positions 64] [--threads 2] [--hf]
+                                           [--reference ours|transformers]
 
-``--hf`` measures ``--quantize int4|int8`` instead: the GGUF is exported to a float32 Hugging Face
+``--reference transformers`` takes the reference from transformers' float32 model loaded from the
+same GGUF (``gguf_file=``) instead of ours, and scores our float path too (issue 32's Gemma target).
+A model without a chat template gets three plain-text prompts. ``--hf`` measures ``--quantize int4|int8`` instead: the GGUF is exported to a float32 Hugging Face
 directory (a temporary one) and quantized at load, against that directory in float32.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -32,6 +36,12 @@ CHATS = [
         {"role": "user", "content": "Write a Python function that reverses a linked list, with a docstring."},
     ],
     [{"role": "user", "content": "Explain in simple words why the sky is blue."}],
+]
+# For a base model (no chat template).
+PROMPTS = [
+    "The capital of France is Paris. It is known for",
+    'def reverse_linked_list(head):\n    """Reverse a singly linked list',
+    "Explain in simple words why the sky is blue. The sky looks blue because",
 ]
 # (label, --dtype, --weights, --quantize)
 CONFIGS = [
@@ -79,11 +89,35 @@ def _greedy(engine, ids: list[int], n: int) -> list[int]:
     return out
 
 
+def _transformers_reference(model: str | None):
+    """(greedy, score) of transformers' float32 model loaded from the GGUF itself."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from muxworker.worker.models.loader import NAMED_MODELS, bundled_gguf_path, named_model_path
+
+    path = bundled_gguf_path() if model is None else named_model_path(model) if model in NAMED_MODELS else Path(model)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def score(ids: list[int]) -> torch.Tensor:
+        return ref(torch.tensor([ids])).logits[0].float()
+
+    @torch.inference_mode()
+    def greedy(ids: list[int], n: int) -> list[int]:
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out[0, len(ids) :].tolist()
+
+    return greedy, score
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF or model directory (default: the bundled SmolLM2 Q4_1)")
     ap.add_argument("--positions", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reference", choices=("ours", "transformers"), default="ours")
     ap.add_argument(
         "--hf", action="store_true", help="measure --quantize on the model exported to a float HF directory"
     )
@@ -107,14 +141,24 @@ def main() -> int:
 
     reference = engine("float32", "float", None)
     tok = reference.tokenizer
-    sequences = []
-    for chat in CHATS:
-        prompt = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True), parse_special=True)
-        sequences.append((prompt, _greedy(reference, prompt, args.positions)))
-    ref_logits = [_forward(reference, p + g)[len(p) - 1 : len(p) - 1 + len(g)] for p, g in sequences]
-    del reference
+    if tok.has_chat_template:
+        prompts = [
+            tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), parse_special=True) for c in CHATS
+        ]
+    else:
+        prompts = [tok.encode(p, add_special_tokens=True) for p in PROMPTS]
+    if args.reference == "transformers":
+        greedy, score = _transformers_reference(args.model)
+        configs = [("--weights float --dtype float32 (ours)", "float32", "float", None), *configs]
+        what = "transformers' float32 model loaded from the same GGUF"
+    else:
+        greedy, score = functools.partial(_greedy, reference), functools.partial(_forward, reference)
+        what = "the float32 dequantized model"
+    sequences = [(p, greedy(p, args.positions)) for p in prompts]
+    ref_logits = [score(p + g)[len(p) - 1 : len(p) - 1 + len(g)] for p, g in sequences]
+    del reference, greedy, score
 
-    print(f"teacher-forced top-1 agreement with the float32 dequantized model, {args.positions} positions x 3 chats")
+    print(f"teacher-forced top-1 agreement with {what}, {args.positions} positions x 3 prompts")
     print("| configuration | scored as | top-1 agreement | max abs logit diff | mean KL(ref || it) |")
     print("|---|---|---:|---:|---:|")
     for label, dtype, weights, quantize in configs:

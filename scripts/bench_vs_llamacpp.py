@@ -67,7 +67,7 @@ from muxworker.client import (
     spawn_multiplexed_worker,
 )
 from muxworker.worker.models.identity import model_identity_files, worker_configuration
-from muxworker.worker.models.loader import bundled_gguf_path, resolve_model
+from muxworker.worker.models.loader import NAMED_MODELS, bundled_gguf_path, named_model_path, resolve_model
 
 PEER = Path(__file__).resolve().with_name("_llamacpp_peer.py")
 PEER_TIMEOUT_S = 900.0
@@ -210,6 +210,8 @@ def llamacpp_round(args: argparse.Namespace, n: Lengths, state_path: str) -> dic
             )
             figures["restore_s"] = restored["restore_s"]
             figures["restore_first_token_s"] = restored["restore_first_token_s"]
+            figures["restored_next_token"] = restored["restored_next_token"]
+            figures["restored_positions"] = f"[{restored['restored_pos_min']}, {restored['restored_pos_max']}]"
         except Exception as e:
             errors["restore_s"] = errors["restore_first_token_s"] = _why(e)
     else:
@@ -349,6 +351,14 @@ async def mux_single(mux: Mux, n: Lengths, figures: dict[str, Any]) -> list[int]
             errors["save_s"] = errors["state_file_mb"] = "the prefill before it failed"
         elif not await _attempt(errors, ("save_s", "state_file_mb"), save):
             history = None
+        else:  # the live session's next turn, which the restored one must reproduce (mux_restore)
+            live = await _attempt(
+                errors,
+                ("live_next_token",),
+                lambda: _first_token(client, SAVED_SESSION, history + [figures["suffix_token"]]),
+            )
+            if live is not None:
+                figures["live_next_token"] = live[1].generated_token_ids[0]
         with contextlib.suppress(MuxError):  # open unless its prefill failed before the open
             await client.close_session(SAVED_SESSION)
         await _attempt(errors, ("decode_long_tok_s",), lambda: decode("decode_long_tok_s", n.long_decode_prompt))
@@ -369,6 +379,8 @@ async def mux_restore(mux: Mux, n: Lengths, figures: dict[str, Any], history: li
             raise RuntimeError(f"the resumed turn prefilled {result.prefilled_prompt_tokens} tokens, not 2")
         figures["restore_s"] = t1 - t0
         figures["restore_first_token_s"] = t2 - t0
+        figures["restored_next_token"] = result.generated_token_ids[0]
+        figures["restored_positions"] = f"[0, {result.reused_prompt_tokens - 1}] reused"
 
 
 async def mux_multi(mux: Mux, n: Lengths, figures: dict[str, Any]) -> None:
@@ -545,9 +557,24 @@ def notes(args: argparse.Namespace, n: Lengths, mux: Mux, peer_rounds: list[dict
         f"- save/restore: the {n.prefill_long:,}-token prompt's session (its KV and the pending first token); "
         "restore runs in a new process, the file in the page cache; restore + first token adds the pending "
         "token and a 1-token suffix and generates one token",
+        "- a restored session's next turn (pending token + 1-token suffix) against the live session's, "
+        f"per round: llama.cpp {_exact(peer_rounds)}; muxworker {_exact(mux_rounds)}",
         "- command: " + shlex.join(["python", *sys.argv]),
     ]
     return out
+
+
+def _exact(rounds: list[dict]) -> str:
+    """Whether each round's restored session produced the live session's next token, and what its
+    memory held after the restore."""
+    cells = []
+    for r in rounds:
+        if "restored_next_token" not in r or "live_next_token" not in r:
+            cells.append("not measured")
+            continue
+        same = "same token" if r["restored_next_token"] == r["live_next_token"] else "a different token"
+        cells.append(f"{same} (positions {r.get('restored_positions', '?')})")
+    return "; ".join(cells) or "not measured"
 
 
 def _median(rounds: list[dict], key: str) -> str:
@@ -575,7 +602,9 @@ def peer_problem(args: argparse.Namespace) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer-python", default=None, help="python of the venv with llama-cpp-python (.venv-peer)")
-    ap.add_argument("--model", default=None, help="the GGUF both engines load (default: the bundled SmolLM2)")
+    ap.add_argument(
+        "--model", default=None, help="the GGUF both engines load, or a model name (default: the bundled SmolLM2)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of each engine (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of each engine, alternating (default 3)")
     ap.add_argument(
@@ -585,6 +614,8 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="one round, a 1,024-token slot, 32 decoded tokens")
     args = ap.parse_args()
+    if args.model in NAMED_MODELS:
+        args.model = named_model_path(args.model)
     args.model = Path(args.model) if args.model else bundled_gguf_path()
     if args.quick:
         args.repeats = 1
