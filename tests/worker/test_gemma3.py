@@ -88,7 +88,9 @@ def test_greedy_continuations_match_transformers(gemma_gguf, gemma_dir):
 @pytest.fixture(scope="module")
 def engine(gemma_dir):
     """The default path: GGUF blocks in the native decode step, bfloat16."""
-    return load_engine(gemma_dir, EngineConfig(max_sessions=4, max_session_tokens=2304), dtype="bfloat16", progress=None)
+    return load_engine(
+        gemma_dir, EngineConfig(max_sessions=4, max_session_tokens=2304), dtype="bfloat16", progress=None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,9 @@ def test_a_checkpoint_keeps_each_layers_retained_rows(engine, saved):
     windows = engine.executor.args.windows
     assert windows.count(None) == 3 and windows.count(WINDOW) == 15  # every sixth layer global
     for layer, window in zip(saved.layers, windows):
-        assert (layer.start, layer.rows) == ((0, saved.position) if window is None else (saved.position - WINDOW, WINDOW))
+        assert (layer.start, layer.rows) == (
+            (0, saved.position) if window is None else (saved.position - WINDOW, WINDOW)
+        )
 
 
 def test_a_restored_session_continues_as_the_live_one(engine, saved):
@@ -147,14 +151,17 @@ async def test_save_restart_resume_continues_as_the_live_session(gemma_dir, tmp_
     files = [gemma_dir / "model.gguf", gemma_dir / "tokenizer.json"]
 
     async def store() -> SessionStore:
-        return await SessionStore.create(tmp_path / "store", model_files=files, configuration={"max_session_tokens": 2304})
+        return await SessionStore.create(
+            tmp_path / "store", model_files=files, configuration={"max_session_tokens": 2304}
+        )
 
     def greedy(n: int) -> GenerationParams:
         return GenerationParams(session_id="g", max_new_tokens=n, temperature=0.0, stop_token_ids=[])
 
     with trio.fail_after(300):
         async with spawn_multiplexed_worker(command, session_store=await store()) as client:
-            prompt = (await client.tokenize(" ".join(f"Line {i}: the tide came in at dawn." for i in range(220))))[:2000]
+            text = " ".join(f"Line {i}: the tide came in at dawn." for i in range(220))
+            prompt = (await client.tokenize(text))[:2000]
             await client.open_session("g")
             first = await client.generate(prompt, greedy(8)).wait()
             await client.save_session("g")

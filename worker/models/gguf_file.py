@@ -105,7 +105,7 @@ class GGUFFile:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
             raise InvalidModelError(f"{self.path} cannot be read as a GGUF file: {e}") from None
-        cur = _Cursor(memoryview(self._map), self.path)
+        cur = _Cursor(memoryview(self._map.data), self.path)
         if bytes(self._map[:4]) != _MAGIC:
             raise InvalidModelError(f"{self.path} is not a GGUF file (it does not start with b'GGUF')")
         cur.pos = 4
