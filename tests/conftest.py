@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.gguf_files import without_vocabulary
 from helpers.tiny_models import write_tiny_model
 
 
@@ -34,7 +35,7 @@ def tiny_qwen2_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference():
+def smollm2_reference(tmp_path_factory):
     """transformers' SmolLM2 (tokenizer, float32 model in eval mode) straight from the bundled GGUF:
     the reference several modules compare against, loaded once (it takes about 14 s)."""
     transformers = pytest.importorskip("transformers")
@@ -44,5 +45,10 @@ def smollm2_reference():
 
     gguf = bundled_gguf_path()
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The model from the same tensors and metadata less the vocabulary arrays, which it does not
+    # read and transformers would parse again (gguf_files.without_vocabulary).
+    weights = without_vocabulary(gguf, tmp_path_factory.getbasetemp() / "smollm2-weights.gguf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        weights.parent, gguf_file=weights.name, dtype=torch.float32
+    )
     return tok, model.eval()

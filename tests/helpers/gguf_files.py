@@ -325,3 +325,50 @@ def gguf_from_hf(model_dir: Path, path: Path, arch: str, *, linear_type: str | N
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+def without_vocabulary(src: Path, dst: Path) -> Path:
+    """A copy of the GGUF ``src`` with the same tensors (byte for byte) and metadata, less its
+    vocabulary arrays (the vocabulary's size written as ``{arch}.vocab_size`` instead): what a
+    reference needs to load the model. transformers spends 30 of its 40 s loading Gemma 3 270M
+    parsing the 262k-entry vocabulary arrays, twice, with gguf.GGUFReader."""
+    from muxworker.worker.models.gguf_file import GGUFFile
+
+    if dst.is_file():
+        return dst
+    source = GGUFFile(src)
+    arch = source.metadata["general.architecture"]
+    w = gguf.GGUFWriter(str(dst), arch)
+    vocab = f"{arch}.vocab_size"
+    for key, value in source.metadata.items():
+        if key in _VOCAB_ARRAYS or key in ("general.architecture", vocab):
+            continue
+        w.add_key_value(key, value, *_gguf_type(value))
+    w.add_key_value(vocab, len(source.metadata["tokenizer.ggml.tokens"]), gguf.GGUFValueType.UINT32)
+    for t in source.tensors:
+        data = source.data(t)
+        if t.type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, data.view(np.float32 if t.type == gguf.GGMLQuantizationType.F32 else np.float16))
+        else:
+            w.add_tensor(t.name, data.reshape(t.shape[0] if len(t.shape) > 1 else 1, -1), raw_dtype=t.type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _gguf_type(value) -> tuple:
+    """(GGUF value type, array item type) of a metadata value as GGUFFile reads it."""
+    kinds = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
+    if isinstance(value, str):
+        return (gguf.GGUFValueType.STRING,)
+    if isinstance(value, list):
+        item = value[0] if value else ""
+        return gguf.GGUFValueType.ARRAY, (gguf.GGUFValueType.STRING if isinstance(item, str) else kinds[type(item)])
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return (gguf.GGUFValueType.INT32,)
+    return (kinds[type(value)],)

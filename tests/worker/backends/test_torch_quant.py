@@ -122,12 +122,15 @@ def test_a_decode_row_does_not_depend_on_its_batch_or_its_pass(tmp_path: Path) -
         assert torch.equal(out[i], alone[i]), i
 
 
-def test_a_sliding_window_ring_takes_verify_chunks_up_to_its_spare_rows(tiny_mistral_dir: Path) -> None:
+def test_a_sliding_window_ring_takes_native_chunks_of_up_to_16_rows(tiny_mistral_dir: Path) -> None:
+    """Rings get 15 spare rows on the native path, so a short chunk after a long history (a
+    resumed turn, a verify chunk) runs natively, equal row for row to decoding it."""
     model, args = _load(tiny_mistral_dir, "float32", quantize="int4")
     assert any(w is not None for w in args.windows)
-    assert TorchExecutor(model, 2, 64).native.max_rows == 1  # no spare rows: one row at a time
-    executor = TorchExecutor(model, 2, 64, rollback_rows=3)
-    assert executor.native.max_rows == 4
+    executor = TorchExecutor(model, 2, 64)
+    assert executor.native.max_rows == 16
+    assert {layer.spare for layer in executor.cache.layers} == {15}
+    assert TorchExecutor(model, 2, 64, rollback_rows=20).native.max_rows == 16  # more for drafts
     prompt = list(range(3, 23))  # past the window of 16
     alone_tokens, alone = _decode(executor, 0, prompt, 8)
     n = len(prompt)

@@ -20,7 +20,7 @@ from muxworker.worker.backends.interface import SeqSpan, WeightGroup, check_batc
 from muxworker.worker.backends.torch import quant as _quant
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
-from muxworker.worker.backends.torch.native_step import NativeStep, unsupported
+from muxworker.worker.backends.torch.native_step import MAX_ROWS, NativeStep, unsupported
 from muxworker.worker.backends.torch.prepared import load_prepared, prepared_path, save_prepared
 from muxworker.worker.backends.torch.quant import QuantBlocks, quantize_blocks, rotary_row_map
 from muxworker.worker.models import gguf_tensors
@@ -68,9 +68,11 @@ def load_model(
     """
     dev = resolve_device(device)
     dt = DTYPES[dtype]
-    if files.gguf and weights == "quantized":
-        if quantize is not None:
-            raise ValueError("--quantize applies to float models; a GGUF keeps its own quantization")
+    if files.gguf and weights == "quantized" and quantize is not None:
+        raise ValueError("--quantize applies to float models; a GGUF keeps its own quantization")
+    if files.gguf and quantize is None:
+        # The GGUF dequantized into the dtype: the dense copies of --weights quantized, the whole
+        # model of --weights float (the same tensors, so the same prepared file on the CPU).
         gguf = files.weight_files[0].resolve()
         index = gguf_tensors.GGUFTensorIndex.open(files.path)
         cache = prepared_path(files.path, dt, dev)
@@ -80,7 +82,8 @@ def load_model(
             model = build_model(args, state, dtype=dt, device=dev)
             if dev.type == "cpu":
                 save_prepared(model, cache, dt, gguf)
-        model.quantized = _gguf_blocks(index)
+        if weights == "quantized":
+            model.quantized = _gguf_blocks(index)
         return model
     if weights == "quantized" and quantize is None:
         raise ValueError(
@@ -144,6 +147,15 @@ class TorchExecutor:
         self.device = param.device
         self.dtype = param.dtype
         model.setup_rope(max_session_tokens)
+        # Short spans (decode, drafts' verification, short prompt chunks) of a quantized model on
+        # the CPU run the native step; everything else, and every span of a float model, torch.
+        quantized = model.quantized
+        self.native_unavailable = unsupported(model, quantized, self.device)
+        if self.native_unavailable is None and quantized is not None:
+            # A chunk of T rows may overwrite the ring rows its first row still needs unless the
+            # ring has T - 1 spare rows: with them a sliding-window model's short chunks (the
+            # first turn after a resume, a tool result) run natively too, not only single rows.
+            rollback_rows = max(rollback_rows, MAX_ROWS - 1)
         self.cache = KVCache(
             self.args.windows,
             slots,
@@ -154,10 +166,6 @@ class TorchExecutor:
             self.device,
             rollback_rows=rollback_rows,
         )
-        # Short spans (decode, drafts' verification, short prompt chunks) of a quantized model on
-        # the CPU run the native step; everything else, and every span of a float model, torch.
-        quantized = model.quantized
-        self.native_unavailable = unsupported(model, quantized, self.device)
         self.native: NativeStep | None = None
         if self.native_unavailable is None and quantized is not None:
             self.native = NativeStep(model, quantized, self.cache, torch.get_num_threads())
