@@ -511,30 +511,41 @@ async def test_worker_subprocess_serves_mlx_and_takes_torch_checkpoints(tiny_mis
 # The bundled SmolLM2
 
 
+@pytest.fixture(scope="module")
+def smollm2_models():
+    """SmolLM2 loaded once for the module, float32 weights, on each backend."""
+    return {b: load_model(None, backend=b, dtype="float32", progress=None, weights="float") for b in ("torch", "mlx")}
+
+
 @pytest.mark.slow
-def test_smollm2_logits_match_torch():
-    t, m = both(None, max_tokens=256)
-    ids = prompt_ids(140, seed=18, vocab=49152)
+def test_smollm2_logits_match_torch(smollm2_models):
+    t, m = (get_backend(b).executor(smollm2_models[b].model, 2, 256, 0, "cpu") for b in ("torch", "mlx"))
+    ids = prompt_ids(72, seed=18, vocab=49152)
     pos = 0
-    for n in (64, 1, 40, 1, 1, 33):
+    for n in (32, 1, 20, 1, 1, 17):
         chunk = ids[pos : pos + n]
         assert max_diff(span(m, 1, pos, chunk), span(t, 1, pos, chunk)) <= SMOL_ATOL, f"chunk at {pos} of {n}"
         pos += n
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_chats_equal_torch():
+def test_smollm2_greedy_chats_equal_torch(smollm2_models):
     from helpers.chats import CHATS
+
+    from muxworker.worker.engine import Engine
 
     outs = {}
     for b in ("torch", "mlx"):
-        eng = make(None, b, max_session_tokens=1024, max_sessions=len(CHATS))
+        loaded = smollm2_models[b]
+        config = EngineConfig(max_session_tokens=1024, max_sessions=len(CHATS))
+        executor = get_backend(b).executor(loaded.model, len(CHATS), 1024, 0, "cpu")
+        eng = Engine(executor, loaded.tokenizer, config, model_name=loaded.name, weights=loaded.weights)
         for i, messages in enumerate(CHATS):
             eng.open_session(f"c{i}")
             ids = eng.tokenizer.encode(
                 eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True), parse_special=True
             )
-            eng.submit(i + 1, f"c{i}", ids, greedy(24))
+            eng.submit(i + 1, f"c{i}", ids, greedy(16))
         res = run(eng)
         outs[b] = [res[i + 1][1]["generated_token_ids"] for i in range(len(CHATS))]
     assert outs["mlx"] == outs["torch"]

@@ -20,7 +20,8 @@ from muxworker.worker.backends.interface import SeqSpan, WeightGroup, check_batc
 from muxworker.worker.backends.torch import quant as _quant
 from muxworker.worker.backends.torch.cache import KVCache
 from muxworker.worker.backends.torch.model import Transformer, build_model
-from muxworker.worker.backends.torch.native_step import MAX_ROWS, NativeStep, unsupported
+from muxworker.worker.backends.torch.native_step import MAX_ROWS as _NATIVE_ROWS
+from muxworker.worker.backends.torch.native_step import NativeStep, unsupported
 from muxworker.worker.backends.torch.prepared import load_prepared, prepared_path, save_prepared
 from muxworker.worker.backends.torch.quant import QuantBlocks, quantize_blocks, rotary_row_map
 from muxworker.worker.models import gguf_tensors
@@ -155,7 +156,7 @@ class TorchExecutor:
             # A chunk of T rows may overwrite the ring rows its first row still needs unless the
             # ring has T - 1 spare rows: with them a sliding-window model's short chunks (the
             # first turn after a resume, a tool result) run natively too, not only single rows.
-            rollback_rows = max(rollback_rows, MAX_ROWS - 1)
+            rollback_rows = max(rollback_rows, _NATIVE_ROWS - 1)
         self.cache = KVCache(
             self.args.windows,
             slots,
