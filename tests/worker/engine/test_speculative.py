@@ -529,7 +529,7 @@ def test_smollm2_early_exit_draft_greedy_matches(tmp_path):
         )
         for e in (eng, plain):
             e.open_session(f"c{i}")
-            e.submit(i + 1, f"c{i}", ids, greedy(24))
+            e.submit(i + 1, f"c{i}", ids, greedy(40))
         got, want = run(eng)[i + 1][1], run(plain)[i + 1][1]
         assert got["generated_token_ids"] == want["generated_token_ids"], messages
         accepted += got["draft_accepted_tokens"]
