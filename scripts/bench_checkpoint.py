@@ -58,7 +58,15 @@ async def run_mux(args, n: int) -> dict:
     model_dir = resolve_model(args.model, progress=sys.stderr)
     top = n + args.repeats * TURN + LONG_SUFFIX + 16
     command = default_worker_command(model_dir, max_sessions=2, max_session_tokens=top, threads=args.threads)
-    out: dict = {"save": [], "incremental": [], "resume": [], "resume_first_1": [], "resume_first_16": [], "cold": []}
+    out: dict = {
+        "save": [],
+        "incremental": [],
+        "resume": [],
+        "resume_first_1": [],
+        "resume_first_16": [],
+        "cold_1": [],
+        "cold_16": [],
+    }
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as tmp:
         store_dir = Path(tmp) / "sessions"
         async with spawn_multiplexed_worker(command) as probe:
@@ -104,12 +112,12 @@ async def run_mux(args, n: int) -> dict:
                         await _first_token(client, "s", history + base[:suffix])
                     out[key].append(time.perf_counter() - t0)
                     await client.close_session("s")
-            prompt = history + base[:LONG_SUFFIX]
-            for _ in range(min(args.repeats, 2)):
-                await client.open_session("cold")
-                dt, _ = await _first_token(client, "cold", prompt)
-                out["cold"].append(dt)
-                await client.close_session("cold")
+            for key, suffix in (("cold_1", 1), ("cold_16", LONG_SUFFIX)):
+                for _ in range(min(args.repeats, 2)):
+                    await client.open_session("cold")
+                    dt, _ = await _first_token(client, "cold", history + base[:suffix])
+                    out[key].append(dt)
+                    await client.close_session("cold")
     return out
 
 
@@ -197,11 +205,13 @@ def main() -> None:
             f"{_ms(mux['incremental'])} | {_ratio(mux['incremental'], mux['save'])} of a full save's time, "
             f"{mux['incremental_bytes'] / mux['save_bytes']:.3f}x its bytes |"
         )
-        print(
-            f"| resume + first token of a {LONG_SUFFIX}-token suffix | {_ms(mux['resume_first_16'])} | "
-            f"cold prefill of the same {mux['position'] + LONG_SUFFIX:,} tokens: {_ms(mux['cold'])}, "
-            f"{statistics.median(mux['cold']) / statistics.median(mux['resume_first_16']):.0f}x slower |"
-        )
+        for suffix in (1, LONG_SUFFIX):
+            resumed, cold = mux[f"resume_first_{suffix}"], mux[f"cold_{suffix}"]
+            print(
+                f"| resume + first token of a {suffix}-token suffix | {_ms(resumed)} | "
+                f"cold prefill of the same {mux['position'] + 1 + suffix:,} tokens: {_ms(cold)}, "
+                f"{statistics.median(cold) / statistics.median(resumed):.0f}x slower |"
+            )
 
 
 if __name__ == "__main__":

@@ -466,7 +466,8 @@ MESSAGES: dict[str, MessageSpec] = {
         "The worker's first frame: its protocol version and what it serves. `readiness` (1.1, sent to "
         "a client that passed `--heartbeat_ms`): `ready` once the engine takes work. `weights`: "
         "`quantized` (a GGUF's blocks kept as they are), `int4`/`int8` (quantized at load) or `float`. "
-        "`files`: true when it takes checkpoint files over its file channel (save_file, restore_file).",
+        "`files`: true when it takes checkpoint files over its file channel (save_file, restore_file). "
+        "`model` (ModelInfo) includes `weight_groups`: each tensor type, how it is held and which passes run it.",
         {
             "protocol": ListOf(Int(0, 255), min_len=2, max_len=2),
             "model": AnyMap(),
