@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+from helpers.engine import greedy, run
 from helpers.gguf_files import without_vocabulary
 
 from muxworker.client import GenerationParams, SessionStore, default_worker_command, spawn_multiplexed_worker
 from muxworker.transport.errors import CheckpointRejected, SessionNotFound
 from muxworker.worker.build import load_engine
 from muxworker.worker.engine.config import EngineConfig
-from muxworker.worker.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +45,8 @@ def gemma_dir(gemma_gguf):
 
 
 def _turn(engine, request_id: int, sid: str, ids: list[int], n: int) -> dict:
-    engine.submit(request_id, sid, ids, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=[]))
-    result = None
-    while engine.has_work():
-        for out in engine.step():
-            if out.result is not None:
-                result = out.result
-    assert result is not None
-    return result
+    engine.submit(request_id, sid, ids, greedy(n))
+    return run(engine)[request_id][1]
 
 
 def _long_prompt(tokenizer, n: int) -> list[int]:
