@@ -79,6 +79,16 @@ def _load_error(exc: BaseException) -> MuxError:
     return InternalError(f"cannot load the model: {type(exc).__name__}: {exc}")
 
 
+def _load_exit_status(exc: BaseException) -> int:
+    """A malformed model file (or its config or chat template) is a bad argument: EXIT_USAGE, as
+    ``python -m muxworker.serve`` exits for it; a model that does not exist or cannot run here is
+    EXIT_STARTUP."""
+    from muxworker.worker.models.loader import InvalidModelError
+    from muxworker.worker.models.tokenizer import ChatTemplateError
+
+    return EXIT_USAGE if isinstance(exc, (InvalidModelError, ConfigError, ChatTemplateError)) else EXIT_STARTUP
+
+
 def _report_usage_error(message: str, argv: Sequence[str]) -> None:
     """Usage errors go to stderr, and to the reply pipe too when its fd was given correctly."""
     build_parser().print_usage(sys.stderr)
@@ -130,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefetched=prefetch.result(),
         )
     except Exception as exc:
+        if isinstance(exc, ConfigError):  # config.json's field is named; name the model too
+            exc = ConfigError(f"{options.model or 'the bundled model'}: {exc}")
         error = _load_error(exc)
         _log(error.message)
         if not isinstance(exc, (MuxError, ValueError, OSError)):
@@ -139,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         writer.close()
-        return EXIT_STARTUP
+        return _load_exit_status(exc)
     _release_freed_memory()
     _log(_startup_summary(engine))
     reader = FdFrameReader(control_fd, screen=_prompt_screen(engine.config.max_session_tokens))

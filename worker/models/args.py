@@ -8,6 +8,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from muxworker.worker.models.bounds import (
+    MAX_CONTEXT_LENGTH,
+    MAX_EMBEDDING_LENGTH,
+    MAX_FEED_FORWARD_LENGTH,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    checked_float,
+    checked_int,
+)
+
 # Architectures this worker runs, mapped to how their config differs. The loader picks the model
 # class through ARCHITECTURES in model.py; this table only says what a config means.
 SUPPORTED_ARCHITECTURES = (
@@ -79,6 +91,7 @@ class ModelArgs:
     rope_kinds: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._check_bounds()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -122,6 +135,42 @@ class ModelArgs:
             raise ConfigError(
                 f"rope_freq_factors has {len(self.rope_freq_factors)} entries for head_dim {self.head_size}"
             )
+
+    def _check_bounds(self) -> None:
+        """Counts and sizes within bounds.py, before anything is sized by them (a config is untrusted)."""
+
+        def integer(name: str, low: int, high: int) -> None:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, checked_int(value, name, low, high, error=ConfigError))
+
+        integer("num_hidden_layers", 1, MAX_LAYERS)
+        integer("vocab_size", 1, MAX_VOCAB)
+        integer("hidden_size", 1, MAX_EMBEDDING_LENGTH)
+        integer("intermediate_size", 1, MAX_FEED_FORWARD_LENGTH)
+        integer("num_attention_heads", 1, MAX_HEADS)
+        integer("num_key_value_heads", 1, MAX_HEADS)
+        integer("head_dim", 2, MAX_HEAD_DIM)
+        integer("max_position_embeddings", 1, MAX_CONTEXT_LENGTH)
+        integer("sliding_window", 1, MAX_CONTEXT_LENGTH)
+        integer("sliding_window_pattern", 0, MAX_LAYERS)
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                f"({self.num_attention_heads}) and head_dim is not given"
+            )
+        self.rms_norm_eps = checked_float(self.rms_norm_eps, "rms_norm_eps", high=1.0, error=ConfigError)
+        self.rope_theta = checked_float(self.rope_theta, "rope_theta", error=ConfigError)
+        for name in ("rope_local_base_freq", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                setattr(self, name, checked_float(getattr(self, name), name, error=ConfigError))
+        if self.rope_freq_factors is not None:
+            for factor in self.rope_freq_factors:
+                checked_float(factor, "rope_freq_factors", error=ConfigError)
+        if self.rope_scaling is not None and "factor" in self.rope_scaling:
+            checked_float(self.rope_scaling["factor"], "rope_scaling.factor", error=ConfigError)
+        if self.layer_types is not None and len(self.layer_types) > MAX_LAYERS:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries; at most {MAX_LAYERS}")
 
     @property
     def gemma3(self) -> bool:

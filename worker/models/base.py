@@ -20,7 +20,7 @@ __all__ = [
 # Bumped when the GGUF conversion changes: it keys the conversion cache (defined here, not in
 # convert.py, so that resolving an already converted model never imports torch).
 # 2: the cache links the GGUF and indexes its tensors instead of writing float32 safetensors.
-CONVERTER_VERSION = 3  # 3: Qwen2/3, Gemma 3, rope_freqs; the index carries "add"
+CONVERTER_VERSION = 4  # 3: Qwen2/3, Gemma 3, rope_freqs; the index carries "add". 4: bounds.py checked
 
 
 class ModelLoadError(Exception):

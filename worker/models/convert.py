@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -35,9 +36,21 @@ from typing import Any, BinaryIO, Literal, TextIO
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer as BackendTokenizer
 
-from muxworker.worker.models.args import GEMMA3_DEFAULTS
+from muxworker.worker.models.args import GEMMA3_DEFAULTS, ConfigError, ModelArgs
 from muxworker.worker.models.base import CONVERTER_VERSION, InvalidModelError, ModelNotFoundError, progress_stream
+from muxworker.worker.models.bounds import (
+    MAX_CONTEXT_LENGTH,
+    MAX_EMBEDDING_LENGTH,
+    MAX_FEED_FORWARD_LENGTH,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    checked_float,
+    checked_int,
+)
 from muxworker.worker.models.gguf_file import GGUFFile, GGUFTensorInfo
 from muxworker.worker.models.gguf_tensors import (
     GGUF_ARCHITECTURES,
@@ -52,6 +65,7 @@ from muxworker.worker.models.gguf_tensors import (
     hf_tensor_name,
 )
 from muxworker.worker.models.gguf_vocab import UnsupportedGGUFError, build_tokenizer, require
+from muxworker.worker.models.template_sandbox import ChatTemplateError, check_chat_template
 
 __all__ = ["CONVERTER_VERSION", "UnsupportedGGUFError", "convert_gguf", "main"]
 
@@ -176,6 +190,7 @@ def _write_tensor(f: BinaryIO, values: np.ndarray, dtype: torch.dtype) -> None:
 def _model_config(
     metadata: dict[str, Any],
     arch: str,
+    hp: dict[str, Any],
     plans: list[_TensorPlan],
     rope_freqs: _TensorPlan | None,
     dtype: torch.dtype | None,
@@ -183,29 +198,29 @@ def _model_config(
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    n_head = int(require(metadata, key("attention.head_count")))
-    hidden = int(require(metadata, key("embedding_length")))
-    head_dim = int(metadata.get(key("attention.key_length"), hidden // n_head))
-    rope_dim = metadata.get(key("rope.dimension_count"))
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    n_head, hidden, head_dim = hp["n_head"], hp["hidden"], hp["head_dim"]
+    rope_dim = hp.get("rope_dim")
+    if rope_dim is not None and rope_dim != head_dim:
         raise UnsupportedGGUFError(f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim})")
     shapes = {p.hf_name: p.shape for p in plans}
-    vocab_size = shapes["model.embed_tokens.weight"][0]
+    vocab_size = checked_int(
+        shapes["model.embed_tokens.weight"][0], "token_embd.weight's rows", 1, MAX_VOCAB, error=InvalidModelError
+    )
     hf_arch = GGUF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(require(metadata, key("feed_forward_length"))),
-        "num_hidden_layers": int(require(metadata, key("block_count"))),
+        "intermediate_size": hp["ffn"],
+        "num_hidden_layers": hp["n_layer"],
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(metadata.get(key("attention.head_count_kv"), n_head)),
+        "num_key_value_heads": hp["n_kv_head"],
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(require(metadata, key("attention.layer_norm_rms_epsilon"))),
-        "rope_theta": float(metadata.get(key("rope.freq_base"), 10000.0)),
-        "max_position_embeddings": int(require(metadata, key("context_length"))),
+        "rms_norm_eps": hp["eps"],
+        "rope_theta": hp["rope_theta"],
+        "max_position_embeddings": hp["context"],
         "tie_word_embeddings": "lm_head.weight" not in shapes,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "mlp_bias": False,
@@ -216,7 +231,7 @@ def _model_config(
         n_layer, pattern = config["num_hidden_layers"], GEMMA3_DEFAULTS["sliding_window_pattern"]
         config |= {
             "hidden_activation": "gelu_pytorch_tanh",
-            "sliding_window": int(require(metadata, key("attention.sliding_window"))),
+            "sliding_window": hp["sliding_window"],
             "layer_types": [
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)
             ],
@@ -225,9 +240,11 @@ def _model_config(
         }
         del config["hidden_act"]
     if rope_freqs is not None:
+        if rope_freqs.source.n_elements != head_dim // 2:
+            raise InvalidModelError(f"{_ROPE_FREQS} has {rope_freqs.source.n_elements} entries for head_dim {head_dim}")
         factors = np.asarray(_dequantize(rope_freqs), dtype=np.float64).reshape(-1)
-        if factors.shape != (head_dim // 2,):
-            raise InvalidModelError(f"{_ROPE_FREQS} has {factors.size} entries for head_dim {head_dim}")
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise InvalidModelError(f"{_ROPE_FREQS} holds a factor that is not a finite positive number")
         config["rope_freq_factors"] = factors.tolist()
     if dtype is not None:  # a linked directory's weights keep the GGUF's types
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -235,7 +252,7 @@ def _model_config(
     if scaling == "linear":
         config["rope_scaling"] = {
             "rope_type": "linear",
-            "factor": float(require(metadata, key("rope.scaling.factor"))),
+            "factor": hp["rope_factor"],
         }
     elif scaling != "none":
         raise UnsupportedGGUFError(f"rope scaling type {scaling!r}")
@@ -287,6 +304,100 @@ def _check_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) ->
 # Driver
 
 
+def _read_checked(
+    gguf_path: Path, dtype: torch.dtype | None
+) -> tuple[list[_TensorPlan], dict[str, Any], tuple[BackendTokenizer, dict[str, Any], dict[str, Any]]]:
+    """Read and check everything the conversion writes, before anything is written. A malformed or
+    crafted file gets one InvalidModelError naming the file and the field, never a traceback: the
+    file is untrusted input (bounds.py)."""
+    where = str(gguf_path)
+    try:
+        file = GGUFFile(gguf_path)
+        metadata = file.metadata
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedGGUFError(
+                f"general.architecture={arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        hp = _hyperparameters(metadata, arch)  # bounded before anything is sized by them
+        plans = _plan_tensors(file, arch, hp["n_head"], hp["n_kv_head"], hp["n_layer"])
+        freqs = next((t for t in file.tensors if t.name == _ROPE_FREQS), None)
+        rope_freqs = None if freqs is None else _TensorPlan(_ROPE_FREQS, file, freqs, (freqs.n_elements,), None, 0.0)
+        config = _model_config(metadata, arch, hp, plans, rope_freqs, dtype)
+        try:
+            ModelArgs.from_dict(config)  # the same checks a config.json gets at load
+        except ConfigError as e:
+            raise InvalidModelError(f"the model it describes cannot run: {e}") from None
+        tokenizer, tokenizer_config, generation_config = build_tokenizer(metadata)
+        if (n_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config["vocab_size"]:
+            raise InvalidModelError(f"{n_tokens} tokens but the embedding has only {config['vocab_size']} rows")
+        if isinstance(template := tokenizer_config.get("chat_template"), str):
+            try:
+                check_chat_template(template)
+            except ChatTemplateError as e:
+                raise InvalidModelError(f"tokenizer.chat_template: {e}") from None
+    except InvalidModelError as e:
+        if str(e).startswith(where):
+            raise
+        raise type(e)(f"{where}: {e}") from None
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError) as e:
+        # A combination of fields no check above foresaw: still the file's fault, still one line.
+        raise InvalidModelError(f"{where}: malformed GGUF ({type(e).__name__}: {e})") from None
+    return plans, config, (tokenizer, tokenizer_config, generation_config)
+
+
+def _hyperparameters(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The counts and sizes the conversion is sized by, each checked against bounds.py."""
+
+    def integer(name: str, low: int, high: int, default: int | None = None) -> int:
+        key = f"{arch}.{name}"
+        value = require(metadata, key) if default is None else metadata.get(key, default)
+        return checked_int(value, key, low, high, error=InvalidModelError)
+
+    def number(name: str, default: float | None = None, high: float = math.inf) -> float:
+        key = f"{arch}.{name}"
+        value = require(metadata, key) if default is None else metadata.get(key, default)
+        return checked_float(value, key, high=high, error=InvalidModelError)
+
+    n_layer = integer("block_count", 1, MAX_LAYERS)
+    n_head = integer("attention.head_count", 1, MAX_HEADS)
+    n_kv_head = integer("attention.head_count_kv", 1, n_head, default=n_head)
+    if n_head % n_kv_head:
+        raise InvalidModelError(
+            f"{arch}.attention.head_count ({n_head}) is not a multiple of {arch}.attention.head_count_kv ({n_kv_head})"
+        )
+    hidden = integer("embedding_length", 1, MAX_EMBEDDING_LENGTH)
+    if f"{arch}.attention.key_length" in metadata:
+        head_dim = integer("attention.key_length", 1, MAX_HEAD_DIM)
+    elif hidden % n_head:
+        raise InvalidModelError(
+            f"{arch}.embedding_length ({hidden}) is not a multiple of {arch}.attention.head_count ({n_head}) "
+            f"and {arch}.attention.key_length is not given"
+        )
+    else:
+        head_dim = hidden // n_head
+    if head_dim % 2:
+        raise InvalidModelError(f"the head width {head_dim} is odd: rotary embeddings rotate pairs")
+    hp: dict[str, Any] = {
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "n_kv_head": n_kv_head,
+        "hidden": hidden,
+        "head_dim": head_dim,
+        "ffn": integer("feed_forward_length", 1, MAX_FEED_FORWARD_LENGTH),
+        "context": integer("context_length", 1, MAX_CONTEXT_LENGTH),
+        "eps": number("attention.layer_norm_rms_epsilon", high=1.0),
+        "rope_theta": number("rope.freq_base", 10000.0),
+    }
+    if f"{arch}.rope.dimension_count" in metadata:
+        hp["rope_dim"] = integer("rope.dimension_count", 1, MAX_HEAD_DIM)
+    if arch == "gemma3":
+        hp["sliding_window"] = integer("attention.sliding_window", 1, MAX_CONTEXT_LENGTH)
+    if metadata.get(f"{arch}.rope.scaling.type", "none") == "linear":
+        hp["rope_factor"] = number("rope.scaling.factor")
+    return hp
+
+
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -321,24 +432,9 @@ def convert_gguf(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
     start = time.monotonic()
-    file = GGUFFile(gguf_path)
-    metadata = file.metadata
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedGGUFError(
-            f"general.architecture={arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-
-    n_head = int(require(metadata, f"{arch}.attention.head_count"))
-    n_kv_head = int(metadata.get(f"{arch}.attention.head_count_kv", n_head))
-    n_layer = int(require(metadata, f"{arch}.block_count"))
-    plans = _plan_tensors(file, arch, n_head, n_kv_head, n_layer)
-    freqs = next((t for t in file.tensors if t.name == _ROPE_FREQS), None)
-    rope_freqs = None if freqs is None else _TensorPlan(_ROPE_FREQS, file, freqs, (freqs.n_elements,), None, 0.0)
-    config = _model_config(metadata, arch, plans, rope_freqs, dtype if weights == "copy" else None)
-    tokenizer, tokenizer_config, generation_config = build_tokenizer(metadata)
-    if (n_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config["vocab_size"]:
-        raise InvalidModelError(f"{n_tokens} tokens but the embedding has only {config['vocab_size']} rows")
+    plans, config, (tokenizer, tokenizer_config, generation_config) = _read_checked(
+        gguf_path, dtype if weights == "copy" else None
+    )
     if progress is not None:
         print(f"muxworker: converting {len(plans)} tensors of {gguf_path.name}", file=progress, flush=True)
 

@@ -9,6 +9,7 @@ little-endian (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -19,6 +20,16 @@ import gguf
 import numpy as np
 
 from muxworker.worker.models.base import InvalidModelError
+from muxworker.worker.models.bounds import (
+    MAX_ARRAY_LENGTH,
+    MAX_KEY_BYTES,
+    MAX_METADATA_KEYS,
+    MAX_STRING_BYTES,
+    MAX_TENSOR_DIMS,
+    MAX_TENSOR_NAME_BYTES,
+    MAX_TENSORS,
+    MAX_VOCAB,
+)
 
 __all__ = ["GGUFFile", "GGUFTensorInfo"]
 
@@ -50,7 +61,7 @@ class GGUFTensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 class _Cursor:
@@ -65,39 +76,64 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return value
 
-    def string(self) -> str:
+    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
+        """A length-prefixed UTF-8 string; ``what`` names it in errors (a key, a tensor's name)."""
+        start = self.pos
         n = self.take("<Q")
+        if n > limit:
+            raise InvalidModelError(f"{self.path}: {what} is a string of {n} bytes (at byte {start}); at most {limit}")
         if self.pos + n > len(self.buf):
-            raise InvalidModelError(f"{self.path}: a string of {n} bytes at byte {self.pos} runs past the file")
+            raise InvalidModelError(
+                f"{self.path}: {what} is a string of {n} bytes at byte {start}: past the file's end"
+            )
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise InvalidModelError(f"{self.path}: a GGUF string at byte {self.pos - n} is not UTF-8: {e}") from None
+            raise InvalidModelError(f"{self.path}: {what} (a string at byte {start}) is not UTF-8: {e}") from None
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, key: str, *, in_array: bool = False) -> Any:
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype][0])
         if vtype == _STRING:
-            return self.string()
+            return self.string(f"metadata {key}")
         if vtype != _ARRAY:
-            raise InvalidModelError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+            raise InvalidModelError(
+                f"{self.path}: metadata {key} has unknown GGUF value type {vtype} (byte {self.pos})"
+            )
+        if in_array:  # llama.cpp refuses them too; unbounded nesting would recurse without bound
+            raise InvalidModelError(f"{self.path}: metadata {key} is an array of arrays, which GGUF readers refuse")
         item, n = self.take("<I"), self.take("<Q")
+        if n > MAX_ARRAY_LENGTH:
+            raise InvalidModelError(
+                f"{self.path}: metadata {key} is an array of {n} entries; at most {MAX_ARRAY_LENGTH} "
+                f"(twice the largest vocabulary, {MAX_VOCAB})"
+            )
         if item in _SCALARS:
             dtype = np.dtype(_SCALARS[item][1]).newbyteorder("<")
             end = self.pos + n * dtype.itemsize
             if end > len(self.buf):
-                raise InvalidModelError(f"{self.path}: an array of {n} values at byte {self.pos} runs past the file")
+                raise InvalidModelError(
+                    f"{self.path}: metadata {key} is an array of {n} values at byte {self.pos}: past the file's end"
+                )
             values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).tolist()
             self.pos = end
             return values
-        return [self.value(item) for _ in range(n)]
+        if item == _STRING and self.pos + 8 * n > len(self.buf):  # each string has an 8-byte length
+            raise InvalidModelError(
+                f"{self.path}: metadata {key} is an array of {n} strings at byte {self.pos}: past the file's end"
+            )
+        return [self.value(item, key, in_array=True) for _ in range(n)]
 
 
 class GGUFFile:
     """The header of a GGUF file: ``metadata`` (key -> str, int, float, bool or list, as
-    ``GGUFReader``'s ``contents()`` gives them) and ``tensors`` in file order."""
+    ``GGUFReader``'s ``contents()`` gives them) and ``tensors`` in file order.
+
+    The header is untrusted: every count and length is checked against bounds.py before anything
+    is allocated for it, and every tensor must lie inside the file; a malformed file raises one
+    InvalidModelError naming the file and the field."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -116,33 +152,59 @@ class GGUFFile:
                 f"{self.path} is a byte-swapped (big-endian) GGUF" if swapped else f"{self.path} is GGUF v{version}"
             )
         n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+        if n_tensors > MAX_TENSORS:
+            raise InvalidModelError(f"{self.path}: the header's tensor count is {n_tensors}; at most {MAX_TENSORS}")
+        if n_kv > MAX_METADATA_KEYS:
+            raise InvalidModelError(f"{self.path}: the header's metadata count is {n_kv}; at most {MAX_METADATA_KEYS}")
         self.metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            self.metadata[key] = cur.value(cur.take("<I"))
+        for i in range(n_kv):
+            key = cur.string(f"metadata key {i}", MAX_KEY_BYTES)
+            if key in self.metadata:
+                raise InvalidModelError(f"{self.path}: metadata {key} appears twice")
+            self.metadata[key] = cur.value(cur.take("<I"), key)
         infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
+        for i in range(n_tensors):
+            name = cur.string(f"the name of tensor {i}", MAX_TENSOR_NAME_BYTES)
+            n_dims = cur.take("<I")
+            if not 1 <= n_dims <= MAX_TENSOR_DIMS:
+                raise InvalidModelError(
+                    f"{self.path}: tensor {name} has {n_dims} dimensions; expected 1 to {MAX_TENSOR_DIMS}"
+                )
+            dims = [cur.take("<Q") for _ in range(n_dims)]
             type_id, offset = cur.take("<I"), cur.take("<Q")
             infos.append((name, dims, type_id, offset))
-        alignment = int(self.metadata.get("general.alignment", 32))
+        alignment = self.metadata.get("general.alignment", 32)
+        if (
+            isinstance(alignment, bool)
+            or not isinstance(alignment, int)
+            or alignment < 1
+            or alignment & (alignment - 1)
+        ):
+            raise InvalidModelError(f"{self.path}: general.alignment = {alignment!r} is not a power of two")
         start = -(-cur.pos // alignment) * alignment
         self.tensors: list[GGUFTensorInfo] = []
+        size = len(self._map)
         for name, dims, type_id, offset in infos:
             try:
                 qtype = gguf.GGMLQuantizationType(type_id)
-            except ValueError:
+                values, block = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
                 raise InvalidModelError(f"{self.path}: tensor {name} has unknown GGML type {type_id}") from None
-            values, size = gguf.GGML_QUANT_SIZES[qtype]
-            n = int(np.prod(dims, dtype=np.int64))
+            n = math.prod(dims)  # exact: a product of crafted uint64 dims would wrap in int64
             if n % values:
                 raise InvalidModelError(f"{self.path}: tensor {name} of {n} values is not whole {qtype.name} blocks")
+            if offset % alignment:
+                raise InvalidModelError(
+                    f"{self.path}: tensor {name}'s data offset {offset} is not a multiple of the alignment {alignment}"
+                )
             info = GGUFTensorInfo(
-                name, qtype, tuple(int(d) for d in reversed(dims)), start + offset, n // values * size
+                name, qtype, tuple(int(d) for d in reversed(dims)), start + offset, n // values * block
             )
-            if info.offset + info.nbytes > len(self._map):
-                raise InvalidModelError(f"{self.path}: tensor {name} runs past the end of the file")
+            if info.offset + info.nbytes > size:
+                raise InvalidModelError(
+                    f"{self.path}: tensor {name} ({list(info.shape)}, {qtype.name}) lies at bytes "
+                    f"[{info.offset}, {info.offset + info.nbytes}), past the file's end ({size} bytes)"
+                )
             self.tensors.append(info)
 
     def data(self, tensor: GGUFTensorInfo) -> np.ndarray:

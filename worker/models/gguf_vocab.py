@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from muxworker.worker.models.base import InvalidModelError
+from muxworker.worker.models.bounds import MAX_VOCAB
 
 __all__ = ["UnsupportedGGUFError", "build_tokenizer", "require"]
 
@@ -100,6 +101,10 @@ def build_tokenizer(metadata: dict[str, Any]) -> tuple[BackendTokenizer, dict[st
     """(tokenizer.json, tokenizer_config.json, generation_config.json) from the GGUF vocabulary."""
     kind = require(metadata, "tokenizer.ggml.model")
     tokens: list[str] = list(require(metadata, "tokenizer.ggml.tokens"))
+    if not 1 <= len(tokens) <= MAX_VOCAB:
+        raise InvalidModelError(f"tokenizer.ggml.tokens has {len(tokens)} tokens; expected 1 to {MAX_VOCAB}")
+    if not all(isinstance(t, str) for t in tokens):
+        raise InvalidModelError("tokenizer.ggml.tokens holds a value that is not a string")
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(types) != len(tokens):
         raise InvalidModelError(f"{len(tokens)} tokens but {len(types)} token types")
@@ -142,10 +147,18 @@ def _byte_level_bpe(
         ]
     )
     pairs = []
-    for merge in merges:
-        parts = merge.split(" ")
+    for index, merge in enumerate(merges):
+        parts = merge.split(" ") if isinstance(merge, str) else []
         if len(parts) != 2:
-            raise InvalidModelError(f"malformed merge {merge!r}: expected two tokens separated by one space")
+            raise InvalidModelError(
+                f"tokenizer.ggml.merges[{index}] = {merge!r} is malformed: expected two tokens separated by one space"
+            )
+        # The tokenizers library refuses (with a bare Exception) a merge of or into an unknown token.
+        for token in (*parts, parts[0] + parts[1]):
+            if token not in vocab:
+                raise InvalidModelError(
+                    f"tokenizer.ggml.merges[{index}] = {merge!r} names {token!r}, which is not in the vocabulary"
+                )
         pairs.append((parts[0], parts[1]))
 
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))

@@ -34,4 +34,6 @@ def prefetch_model(path: str | os.PathLike[str] | None, progress: TextIO | None 
     """Resolve ``path`` (converting a GGUF on first use), parse its directory, load its tokenizer."""
     model_dir = resolve_model(path, progress=progress)
     files = load_model_dir(model_dir)
-    return ModelPrefetch(model_dir, files, Tokenizer.from_model_files(files))
+    tokenizer = Tokenizer.from_model_files(files)
+    tokenizer.check_chat_template()  # a template that cannot render one message fails the start
+    return ModelPrefetch(model_dir, files, tokenizer)

@@ -4,21 +4,27 @@ rendered with jinja2 the way transformers renders it, and streaming detokenizati
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from muxworker.worker.models.gguf_tensors import GGUF_LINK
 from muxworker.worker.models.loader import ModelFiles, load_model_dir
+from muxworker.worker.models.template_sandbox import (  # re-exported: the template's one definition is there
+    DEFAULT_LIMITS,
+    ChatTemplateError,
+    TemplateLimitError,
+    check_chat_template,
+    compile_chat_template,
+)
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -26,10 +32,6 @@ _REPLACEMENT = "\ufffd"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Special-token variables transformers hands every chat template (its special_tokens_map).
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing or could not render the given messages."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -49,47 +51,6 @@ def _ids(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for transformers' training
-    masks. Rendering a prompt only needs the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> Any:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # jinja's own tojson escapes HTML characters, which would change the prompt.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """The template in the environment transformers uses: sandboxed and immutable,
-    trim_blocks/lstrip_blocks, loop controls, and its raise_exception/tojson/strftime_now."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
 
 
 def _message(message: Any) -> dict[str, Any]:
@@ -116,7 +77,10 @@ class Tokenizer:
         generation_config: Mapping[str, Any] | None = None,
         model_config: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
+        template_origin: str | None = None,
     ) -> None:
+        """``template_origin`` names where the chat template comes from (a file and its field), for
+        the errors of :meth:`check_chat_template`."""
         self.backend = backend
         self._encode_lock = threading.Lock()  # the backend's special-token switch is tokenizer-wide
         tokenizer_config = dict(tokenizer_config or {})
@@ -128,6 +92,7 @@ class Tokenizer:
         if chat_template is None and isinstance(tokenizer_config.get("chat_template"), str):
             chat_template = tokenizer_config["chat_template"]
         self.chat_template = chat_template
+        self.template_origin = template_origin or "the model's chat template"
         self._compiled: jinja2.Template | None = None
         self._byte_level: bool | None = None  # whether pieces are GPT-2 byte-level (token_bytes)
 
@@ -152,13 +117,32 @@ class Tokenizer:
 
     @classmethod
     def from_model_files(cls, files: ModelFiles) -> Tokenizer:
+        if (files.path / "chat_template.jinja").is_file():  # it wins, as in load_model_dir
+            origin = str(files.path / "chat_template.jinja")
+        elif files.gguf:  # a converted GGUF: its template came from the file's metadata
+            origin = f"{(files.path / GGUF_LINK).resolve()}: tokenizer.chat_template"
+        else:
+            origin = f"{files.path / 'tokenizer_config.json'}: chat_template"
         return cls(
             BackendTokenizer.from_file(str(files.tokenizer_file)),
             tokenizer_config=files.tokenizer_config,
             generation_config=files.generation_config,
             model_config=files.config,
             chat_template=files.chat_template,
+            template_origin=origin,
         )
+
+    def check_chat_template(self) -> None:
+        """Compile the chat template and render it once on a one-message chat, under the render
+        limits (template_sandbox.py): a template that does not compile, or loops or grows past its
+        limits on the simplest chat, fails at start (ChatTemplateError naming its origin), not at
+        the first request."""
+        if self.chat_template is None:
+            return
+        try:
+            self._compiled = check_chat_template(self.chat_template, DEFAULT_LIMITS, **self.special_tokens)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.template_origin}: {e}") from None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -169,6 +153,34 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included. The model's embedding
         may have more rows (padding); use the model config for logits."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input text one token can stand for, from the vocabulary: a text
+        of B bytes has at least B / max_token_bytes tokens, so a prompt too long for a context is
+        refused without tokenizing it. None where no such bound holds: a normalizer or
+        pre-tokenizer that may drop input (strip, clean-up, whitespace splitting), a model whose
+        unknown token covers a whole word or a run of characters (WordPiece, WordLevel, fused
+        unknowns), an added token that swallows the whitespace beside it (lstrip/rstrip).
+        Computed once (a pass over the vocabulary): touch it where the tokenizer is loaded."""
+        backend = self.backend
+        factor = _shrink_factor(backend.normalizer, _NORMALIZER_FACTORS)
+        if factor is None or _shrink_factor(backend.pre_tokenizer, _PRE_TOKENIZER_FACTORS) is None:
+            return None
+        model, kind = backend.model, type(backend.model).__name__
+        byte_level = backend.pre_tokenizer is not None and b'"ByteLevel"' in backend.pre_tokenizer.__getstate__()
+        if kind == "BPE":
+            if not (byte_level or model.byte_fallback or (model.unk_token is not None and not model.fuse_unk)):
+                return None  # unknown characters dropped, or a run of them as one token
+        elif kind != "Unigram" or not json.loads(model.__getstate__()).get("byte_fallback"):
+            return None  # WordPiece/WordLevel: one unknown token for a word; Unigram fuses unknowns
+        added = backend.get_added_tokens_decoder()
+        if any(token.lstrip or token.rstrip for token in added.values()):
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True).values()
+        longest = max((len(self.token_bytes(i)) for i in vocab), default=1)
+        added_bytes = (len(token.content.encode("utf-8")) for token in added.values())
+        return max(longest, 4, *added_bytes) * factor  # 4: an unknown token stands for one character
 
     @property
     def has_chat_template(self) -> bool:
@@ -208,7 +220,9 @@ class Tokenizer:
         with self._encode_lock:
             self.backend.encode_special_tokens = not parse_special
             try:
-                ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+                # encode_batch, not encode: the backend's encode holds the GIL throughout (a 64 KB
+                # text: 150 ms in which no other thread of the process runs), encode_batch releases it.
+                ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             finally:
                 self.backend.encode_special_tokens = False
         if (
@@ -252,8 +266,54 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+        except TemplateLimitError as e:
+            raise ChatTemplateError(f"the chat template was stopped rendering these messages: {e}") from None
         except (jinja2.TemplateError, TypeError) as e:
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
+
+
+# How many input bytes one byte of each normalizer's output may stand for (max_token_bytes): Unicode
+# normalization composes (Hangul L+V+T: 9 bytes -> 3) and maps compatibility characters (U+1D400,
+# 4 bytes -> "A"), as lowercasing does (KELVIN SIGN, 3 bytes -> "k"); the others only add. A
+# component not named here may drop input (Strip, StripAccents, BertNormalizer, Precompiled): no bound.
+_NORMALIZER_FACTORS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1, "ByteLevel": 1}
+# Pre-tokenizers that split without dropping anything (unless their behavior is "Removed").
+_PRE_TOKENIZER_FACTORS = dict.fromkeys(
+    ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation", "FixedLength"), 1
+)
+
+
+def _component_state(component: Any) -> dict[str, Any] | None:
+    """A normalizer's or pre-tokenizer's tokenizer.json entry (None: there is none)."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _shrink_factor(component: Any, factors: Mapping[str, int]) -> int | None:
+    """The input bytes one output byte of ``component`` may stand for (see _NORMALIZER_FACTORS);
+    None: it may drop input."""
+
+    def factor(state: Mapping[str, Any]) -> int | None:
+        kind = state.get("type")
+        if kind == "Sequence":
+            total = 1
+            for part in state.get("normalizers") or state.get("pretokenizers") or ():
+                f = factor(part)
+                if f is None:
+                    return None
+                total *= f
+            return total
+        if state.get("behavior") == "Removed":
+            return None
+        if kind == "Replace" and factors is _NORMALIZER_FACTORS:
+            # A fixed string replaced by one at least as long (SentencePiece's " " -> U+2581) only adds.
+            pattern, content = (state.get("pattern") or {}).get("String"), state.get("content")
+            if isinstance(pattern, str) and isinstance(content, str):
+                return 1 if len(content.encode("utf-8")) >= len(pattern.encode("utf-8")) else None
+            return None
+        return factors.get(kind) if isinstance(kind, str) else None
+
+    state = _component_state(component)
+    return 1 if state is None else factor(state)
 
 
 def _byte_alphabet() -> dict[str, int]:

@@ -44,10 +44,10 @@ def test_the_header_equals_the_gguf_packages_reading(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "damage,message",
     [
-        (lambda b: b[:100], "ends inside its GGUF header|runs past"),
+        (lambda b: b[:100], "ends inside its GGUF header|past the file.s end"),
         (lambda b: b"GGUF" + (3).to_bytes(4, "big") + b[8:], "byte-swapped"),
         (lambda b: b"GGUX" + b[4:], "not a GGUF file"),
-        (lambda b: b[: len(b) - 64], "runs past the end of the file"),
+        (lambda b: b[: len(b) - 64], "past the file.s end"),
     ],
 )
 def test_a_damaged_file_is_refused_with_what_is_wrong(tmp_path: Path, damage, message: str) -> None:
