@@ -7,14 +7,26 @@ released. It is incremental: ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
 ``all_finite(array)`` tells whether a float32, float16 or bfloat16 array (bfloat16 given as its
 uint16 bits, as checkpoints store it, with ``bfloat16=True``) holds no NaN or infinity, at memory
 speed and with the GIL released.
+
+The quantized products and the decode step (quant.c) run on AVX-512 VNNI, AVX2 or portable C, the
+best this CPU has, chosen at run time. The environment variable ``MUXWORKER_NATIVE_ISA``
+(``portable``, ``avx2``, ``avx512-vnni``; unset or ``auto``: the best) forces one; it is read once
+when this module loads, so a worker process inherits it from its parent. Results differ between
+instruction sets in the last bits (the order of float additions), so a test of what must not
+change (batched vs solo, resumed vs live) holds on each of them. A name this CPU cannot run is
+refused, with the message, by the first use of the kernels (``set_threads``, ``qmatmul``): the
+CRC and finiteness helpers, which the client uses too, never depend on it.
 """
 
 from __future__ import annotations
+
+import os
 
 from ._native import ffi as _ffi
 from ._native import lib as _lib
 
 __all__ = [
+    "ISA_ENV",
     "ISA_NAMES",
     "QUANT_TYPES",
     "all_finite",
@@ -24,6 +36,7 @@ __all__ = [
     "crc32c_software",
     "fill_qweight",
     "isa",
+    "parse_isa",
     "qmatmul",
     "quant_row_bytes",
     "set_isa",
@@ -32,7 +45,8 @@ __all__ = [
 
 #: GGML type name -> id, for the types quant.c multiplies in place.
 QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-ISA_NAMES = ("portable", "avx2", "avx512-vnni")
+ISA_NAMES = ("portable", "avx2", "avx512-vnni")  # by level, as quant.c numbers them
+ISA_ENV = "MUXWORKER_NATIVE_ISA"
 MAX_ROWS = 16  # activation rows per product or forward call (MUX_MAX_M in quant.c)
 
 
@@ -111,20 +125,65 @@ def quant_row_bytes(type_name: str, cols: int) -> int:
 
 def set_threads(n: int) -> None:
     """Threads the quantized products and the decode step use, the caller included."""
+    _check_isa()
     if _lib.mux_q_set_threads(int(n)) != 0:
         raise ValueError(f"cannot run {n} native threads")
 
 
 def best_isa() -> int:
+    """The highest level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 VNNI); every lower one runs too."""
     return int(_lib.mux_q_best_isa())
 
 
 def isa() -> int:
+    """The level the kernels use now."""
     return int(_lib.mux_q_isa())
 
 
+def parse_isa(value: str, best: int) -> int:
+    """The level a ``MUXWORKER_NATIVE_ISA`` value names on a CPU whose best level is ``best``;
+    ValueError, saying why, for an unknown name or one the CPU cannot run."""
+    name = value.strip().lower().replace("_", "-")
+    if name in ("", "auto"):
+        return best
+    levels = {n.replace("-", ""): level for level, n in enumerate(ISA_NAMES)}
+    level = levels.get(name.replace("-", ""))
+    if level is None:
+        raise ValueError(
+            f"{ISA_ENV}={value!r} names no instruction set of the native kernels: use auto, {', '.join(ISA_NAMES)}"
+        )
+    if level > best:
+        runs = ", ".join(ISA_NAMES[: best + 1])
+        raise ValueError(f"{ISA_ENV}={value}: this CPU cannot run the {ISA_NAMES[level]} kernels (it runs {runs})")
+    return level
+
+
+def _default_isa() -> tuple[int, str | None]:
+    """(the level ``MUXWORKER_NATIVE_ISA`` asks for, else the best; why the variable is refused, or None)."""
+    best = best_isa()
+    try:
+        return parse_isa(os.environ.get(ISA_ENV, ""), best), None
+    except ValueError as exc:
+        return best, str(exc)
+
+
+_DEFAULT_ISA, _ISA_ERROR = _default_isa()
+_lib.mux_q_set_isa(_DEFAULT_ISA)
+
+
+def _check_isa() -> None:
+    """Refuse the kernels while ``MUXWORKER_NATIVE_ISA`` asks for what this CPU cannot run: running
+    them on another instruction set than the one asked for would test or serve the wrong thing."""
+    if _ISA_ERROR is not None:
+        raise ValueError(_ISA_ERROR)
+
+
 def set_isa(level: int) -> None:
-    """Force an instruction set (0 portable, 1 AVX2, 2 AVX-512 VNNI; -1: the best this CPU has)."""
+    """Force an instruction set (0 portable, 1 AVX2, 2 AVX-512 VNNI; -1: the default, which is
+    ``MUXWORKER_NATIVE_ISA``'s choice or else the best this CPU has)."""
+    _check_isa()
+    if level < 0:
+        level = _DEFAULT_ISA
     if _lib.mux_q_set_isa(int(level)) != 0:
         raise ValueError(f"this CPU cannot run the {ISA_NAMES[level] if 0 <= level < 3 else level} kernels")
 
@@ -159,6 +218,7 @@ def qmatmul(blocks, type_name: str, x, row_map=None):
     rounding times the gguf package's dequantized W). float32 [M, N]."""
     import numpy as np
 
+    _check_isa()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")

@@ -296,14 +296,15 @@ static const mux_isa *isa_of(int level) {
 }
 
 static int best_isa = -1;
-static int current_isa = -1; /* what calls use: best_isa unless a test forced another */
+static int current_isa = -1; /* what calls use: best_isa unless MUXWORKER_NATIVE_ISA or a test forced another */
 
 int mux_q_best_isa(void) {
     if (best_isa < 0) best_isa = isa_available(2) ? 2 : isa_available(1) ? 1 : 0;
     return best_isa;
 }
 
-/* Force an instruction set (tests compare them); -1 returns to the best. 0 on success. */
+/* Force an instruction set (tests compare them; MUXWORKER_NATIVE_ISA, read by native/__init__.py);
+   -1 returns to the best. 0 on success. */
 int mux_q_set_isa(int level) {
     if (level < 0) level = mux_q_best_isa();
     if (level > 2 || !isa_available(level)) return -1;

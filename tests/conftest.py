@@ -5,6 +5,26 @@ from helpers.gguf_files import without_vocabulary
 from helpers.tiny_models import write_tiny_model
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The CPU a run's results depend on, what --dtype auto picks there and the native kernels'
+    instruction set, as the run's last line (also under -q, which hides the header)."""
+    import platform
+    from pathlib import Path
+
+    from muxworker import native
+    from muxworker.worker.models.defaults import auto_dtype
+
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        cpu = next(line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    terminalreporter.write_line(
+        f"cpu: {cpu}; --dtype auto: {auto_dtype('cpu')}; native kernels: {native.ISA_NAMES[native.isa()]} "
+        f"(best here {native.ISA_NAMES[native.best_isa()]}; {native.ISA_ENV} forces one)"
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """Returns make(arch="llama", **overrides) -> Path, caching one directory per configuration."""

@@ -464,15 +464,14 @@ async def test_smollm2_save_restart_resume_matches_a_cold_run(tmp_path):
     async with spawn_multiplexed_worker(command, session_store=store, startup_timeout=600) as client:
         await client.resume_session("chat")
         _same_bytes(await client.export_checkpoint_to_cpu("chat", identity=store.identity), before)
-        # The complete next prompt: the saved history (its answer ends with the committed <|im_end|>)
-        # plus the next turn in the chat format.
-        assert first.finish_reason == "stop"
-        suffix = await client.tokenize("\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+        # The complete next prompt: the saved history (an answer that stopped ends with the committed
+        # <|im_end|>; one cut at max_new_tokens is closed here) plus the next turn in the chat format.
+        close = "" if first.finish_reason == "stop" else "<|im_end|>"
+        suffix = await client.tokenize(close + "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
         next_prompt = first_prompt + first.generated_token_ids + suffix
         resumed = await client.generate(next_prompt, GenerationParams(session_id="chat", max_new_tokens=24)).wait()
         assert resumed.reused_prompt_tokens == before.position
         assert resumed.prefilled_prompt_tokens == len(next_prompt) - before.position
         await client.open_session("cold")
         cold = await client.generate(next_prompt, GenerationParams(session_id="cold", max_new_tokens=24)).wait()
-        assert resumed.generated_token_ids == cold.generated_token_ids
-        assert "Rome" in await client.detokenize(resumed.generated_token_ids)
+        assert resumed.generated_token_ids == cold.generated_token_ids  # what the reply says is the model's

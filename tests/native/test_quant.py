@@ -6,6 +6,10 @@ has, random blocks and the bundled model's own tensors."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -127,8 +131,6 @@ def test_bad_arguments_say_what_is_wrong() -> None:
 
 
 def test_the_thread_pool_starts_its_first_job_and_survives_a_fork() -> None:
-    import os
-
     blocks = random_blocks("Q4_1", 64, 256)
     x = np.ones((1, 256), np.float32)
     for _ in range(20):  # a job posted before a new worker first runs must not be missed
@@ -144,3 +146,40 @@ def test_the_thread_pool_starts_its_first_job_and_survives_a_fork() -> None:
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_isa_variable_names_each_level_and_refuses_what_the_cpu_lacks() -> None:
+    for best in range(3):
+        assert native.parse_isa("", best) == native.parse_isa(" auto ", best) == best
+        for level, name in enumerate(native.ISA_NAMES[: best + 1]):
+            assert native.parse_isa(name, best) == native.parse_isa(name.upper().replace("-", ""), best) == level
+    with pytest.raises(
+        ValueError, match=r"MUXWORKER_NATIVE_ISA=avx512-vnni: this CPU cannot run .* \(it runs portable, avx2\)"
+    ):
+        native.parse_isa("avx512-vnni", 1)
+    with pytest.raises(ValueError, match=r"cannot run the avx2 kernels \(it runs portable\)"):
+        native.parse_isa("avx2", 0)
+    with pytest.raises(ValueError, match="'sse4' names no instruction set .* use auto, portable, avx2, avx512-vnni"):
+        native.parse_isa("sse4", 2)
+
+
+def _with_isa_variable(value: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter (the variable is read once, at import) reporting the level it runs."""
+    code = (
+        "from muxworker import native\n"
+        "assert native.crc32c(b'123456789') == 0xE3069283  # the CRC never depends on the variable\n"
+        "native.set_threads(1)\n"
+        "print(native.isa())\n"
+    )
+    env = {**os.environ, native.ISA_ENV: value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_isa_variable_forces_the_kernels_of_a_whole_process() -> None:
+    for level in ISAS:
+        run = _with_isa_variable(native.ISA_NAMES[level])
+        assert (run.returncode, run.stdout.strip()) == (0, str(level)), run.stderr
+    refused = _with_isa_variable("sse4")
+    assert (
+        refused.returncode == 1 and "ValueError: MUXWORKER_NATIVE_ISA='sse4' names no instruction set" in refused.stderr
+    )
