@@ -31,7 +31,9 @@ writing their own locks:
   answers CapacityExhausted), the least recently used *idle* session (no operation in its lane) is
   saved to the store and closed, under its own lease, and marked evicted; then the open is tried
   again. With no idle session the call fails with CapacityExhausted at once. A failed save leaves the
-  session live and fails the call with :class:`EvictionFailed`. Any later operation on an evicted
+  session live and fails the call with :class:`EvictionFailed`; a save refused as a conflict (another
+  writer saved the session since, SaveConflict) closes the stale copy, which is then not tracked, and
+  the slot is free. Any later operation on an evicted
   session first resumes it from the store, under its lease; its generation's result then says
   ``resumed_from_store=True``. Evicted sessions are open as far as callers can tell (open and resume
   raise SessionExists); close forgets one (its file stays), reset empties one without loading it,
@@ -59,6 +61,7 @@ from muxworker.transport.errors import (
     ClientClosedError,
     InvalidArgument,
     OperationCancelled,
+    SaveConflict,
     SessionExists,
     SessionNotFound,
     Unsaveable,
@@ -396,6 +399,20 @@ class SessionRuntime:
             return
         except (WorkerDiedError, ClientClosedError):
             raise
+        except SaveConflict:
+            # Another writer saved the session since this worker's copy was saved or resumed: the
+            # copy is stale, so it is dropped (the store keeps the other writer's save, which the
+            # session's next use resumes; the store remembers the conflict for whoever reports it).
+            self._forget(session_id)
+            self._evictions += 1
+            self._freeing += 1
+            try:
+                await self.client.close_session(session_id)
+            except SessionNotFound:
+                pass
+            finally:
+                self._freeing -= 1
+            return
         except Exception as exc:
             self._eviction_failures += 1
             raise EvictionFailed(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from muxworker.transport.checkpoint import DEFAULT_MAX_BYTES, CheckpointIncompatible, CPUCheckpoint
+from muxworker.transport.checkpoint import DEFAULT_MAX_BYTES, CheckpointIncompatible, CheckpointNotFound, CPUCheckpoint
 from muxworker.transport.checkpoint.container import memory_file
 from muxworker.transport.checkpoint.file import checkpoint_from_memory, checkpoint_to_memory
 from muxworker.transport.errors import InvalidArgument
@@ -115,13 +115,19 @@ class CheckpointQueue:
         """The store vets and opens the files; the worker reads them straight into a free slot."""
         async with self._lock:
             _require_files(connection)
-            plan = await trio.to_thread.run_sync(store.begin_resume, session_id)
+            try:
+                plan = await trio.to_thread.run_sync(store.begin_resume, session_id)
+            except CheckpointNotFound:
+                store.forget(session_id)  # nothing saved: a save of it now must find nothing either
+                raise
             try:
                 m = plan.manifest
                 request = RestoreFileRequest(session_id, store.identity, store.max_bytes, tuple(m.segments), tag=m.tag)
                 await connection.transfer(request.KIND, request.fields(), expect="ok", fds=plan.fds)
             finally:
                 plan.close()
+            # The worker holds this version now: the session's next save must find it still there.
+            store.adopt(session_id, plan.version)
 
 
 def _require_files(connection: Connection) -> None:

@@ -240,7 +240,11 @@ class _Chat:
             _info(f"bad worker setting: {exc}")
             return 2
         try:
-            self.store = await open_store(store_dir, **spec.store_identity())
+            # The shared writers' lock of a directory store: beside other chats, the sessions
+            # command and --shared-store servers, never beside a server that holds it alone.
+            self.store = await open_store(
+                store_dir, **spec.store_identity(), hold="shared", role="python -m muxworker.chat"
+            )
             session_hash(self.name)  # checks the session name
             if args.transcripts is not None:
                 self.transcripts = args.transcripts
@@ -320,7 +324,9 @@ class _Chat:
             if conv.session_id != name:
                 raise TranscriptError(f"transcript {transcript} belongs to session {conv.session_id!r}")
             if not conv.messages:
-                # An emptied transcript is a /reset that stopped before it deleted the checkpoint.
+                # An emptied transcript is a /reset that stopped before it deleted the checkpoint:
+                # deleted now (a new session's save finds nothing in its place).
+                await trio.to_thread.run_sync(self.store.delete, name)
                 await client.open_session(name)
                 _info(f"new session {name!r} (it was reset); /help lists the commands")
                 return True

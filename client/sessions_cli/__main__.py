@@ -12,9 +12,14 @@
                              one save_checkpoint file) to version 3, in place; run it once, with no
                              worker saving, after upgrading from a release that wrote them
 
+The commands that change the store (delete, prune, clean, migrate) take its shared writers' lock:
+they run beside ``--shared-store`` servers and the chat app, but not beside a server that holds
+the store alone (the default), whose sessions are deleted through its HTTP API.
+
 Exit status: 0 on success, 1 when a session is missing, cannot be deleted or fails verification, or
 ``clean`` met a manifest it could not read, or ``migrate`` a file it could not convert; 2 on a usage error or when the store cannot be used
-(``clean`` while a writer holds it). Errors are one line on stderr, never a traceback.
+(``clean`` while a writer holds it, a change while a server holds the store alone). Errors are one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -106,6 +111,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         store = SessionStore.inspect(args.store)
+    except (MuxError, OSError) as exc:
+        print(f"error: {_error(exc)}", file=sys.stderr)
+        return 2
+    if args.command in _WRITES:
+        try:
+            # Beside --shared-store servers and the chat app, never beside a server that holds the
+            # store alone (its sessions are its own: delete them through its HTTP API).
+            store.hold(shared=True, role=f"python -m muxworker.sessions {args.command}")
+        except (MuxError, OSError) as exc:
+            print(f"error: {_error(exc)}", file=sys.stderr)
+            return 2
+    try:
         return _run(store, args)
     except StoreBusy as exc:
         print(f"error: {_error(exc)}; run clean when no worker or client is saving", file=sys.stderr)
@@ -113,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (MuxError, OSError) as exc:  # the store or the system failed: one line, no traceback
         print(f"error: {_error(exc)}", file=sys.stderr)
         return 2
+
+
+#: The commands that change the store, and so take its shared writers' lock (list, show and verify read).
+_WRITES = {"delete", "prune", "clean", "migrate"}
 
 
 def _run(store: SessionStore, args: argparse.Namespace) -> int:

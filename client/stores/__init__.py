@@ -58,6 +58,8 @@ async def open_store(
     block_tokens: int | None = None,
     share_blocks_across_namespaces: bool = False,
     timeout: float | None = None,
+    hold: str | None = None,
+    role: str = "muxworker",
     **options: Any,
 ) -> StoreBinding:
     """The session store at ``location``, bound to the model files and configuration.
@@ -73,6 +75,10 @@ async def open_store(
     ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...), and ``options`` are obstore's store options.
     ``timeout`` (seconds; None: :data:`~.objects.DEFAULT_TIMEOUT`) bounds how long a request
     to an object store may fail before :class:`StoreUnavailable`; a local store has none.
+    ``hold`` (a local store only): take its owner lock, ``"exclusive"`` (a server that owns the
+    directory alone) or ``"shared"`` (writers beside each other), named ``role`` in the lock
+    file; StoreBusy naming the holder when it is taken (:meth:`SessionStore.hold`). An object
+    store has no lock: its conditional writes alone keep one owner per session.
     """
     text = os.fspath(location)
     common: dict[str, Any] = dict(
@@ -88,7 +94,11 @@ async def open_store(
             raise InvalidArgument(f"a local store takes no store options, got {sorted(options)}")
         path = text[len("file://") :] if scheme == "file" else text
         return await SessionStore.create(
-            path, **common, block_tokens=LOCAL_BLOCK_TOKENS if block_tokens is None else block_tokens
+            path,
+            **common,
+            block_tokens=LOCAL_BLOCK_TOKENS if block_tokens is None else block_tokens,
+            hold=hold,
+            role=role,
         )
     if scheme not in OBJECT_SCHEMES:
         raise InvalidArgument(

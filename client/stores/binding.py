@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -73,6 +74,9 @@ _TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{16}\.tmp")
 # COMMIT_LOCK is held exclusive for the few milliseconds a manifest is checked and replaced.
 WRITERS_LOCK = ".muxworker-writers.lock"
 COMMIT_LOCK = ".muxworker-commit.lock"
+# A server holds OWNER_LOCK exclusive for its lifetime (one server per directory store); shared
+# writers (--shared-store servers, the chat app, the sessions command) hold it shared.
+OWNER_LOCK = ".muxworker-owner.lock"
 #: A session saved incrementally is rewritten whole (compacted) once it has this many segments.
 DEFAULT_COMPACT_AFTER = 16
 #: The local store's blocks by default: none. The worker then writes its rows straight into the
@@ -171,10 +175,11 @@ class SavePlan:
     tag: str
     base: SessionManifest | None  # the saved manifest the save may append to
     lock_fd: int  # the local store's writers' lock (-1: none)
-    version: Any = None  # an object store's e-tag of the manifest found (the conditional write's)
+    version: Any = None  # the manifest version the commit must still find (None: none may exist)
     staged: bool = False  # fd is a memory file the store cuts into blocks and a tail (block_tokens)
     compact: bool = False  # rewrite the tail run after the base's blocks as one segment
     found: SessionManifest | None = None  # the manifest the save replaces (an object store's e-tag's)
+    replace: bool = False  # a host checkpoint's save (save()): replaces whatever begin_save found
 
 
 @dataclass
@@ -184,6 +189,7 @@ class ResumePlan:
     session_id: str
     fds: list[int]
     manifest: SessionManifest
+    version: Any = None  # the manifest's version (StoreBinding.adopt records it once the worker holds it)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -273,6 +279,91 @@ class StoreBinding:
         self.max_bytes = max_bytes
         self.inputs = inputs
         self.inspecting = False
+        self._init_owned()
+
+    # -- one owner per session's durable state ----------------------------------------------------
+    #
+    # A save is conditional on the manifest this process last published or resumed into a worker
+    # for that session (its *version*: an object store's e-tag, a directory store's manifest tag),
+    # never on what the store holds when the save begins: so a save over another writer's (a
+    # second server on the store, a replica whose affinity broke) fails with SaveConflict instead
+    # of adopting it, and nothing acknowledged is lost silently. A session this process never
+    # resumed or saved may be saved only while the store holds nothing for it.
+
+    def _init_owned(self) -> None:
+        self._owned: dict[str, Any] = {}  # session id -> the version this process published or resumed
+        self._conflicts: dict[str, str] = {}  # session id -> why its last save conflicted, until taken
+        self._owned_lock = threading.Lock()
+
+    def owned_version(self, session_id: str) -> Any:
+        """The version of ``session_id``'s manifest this process last published or resumed (None: none)."""
+        with self._owned_lock:
+            return self._owned.get(session_id)
+
+    def adopt(self, session_id: str, version: Any, *, saved: bool = False) -> None:
+        """This process now holds ``session_id`` as of the manifest ``version`` (a resume into a
+        worker, or ``saved``: a save it published, which also ends a conflict not yet taken)."""
+        with self._owned_lock:
+            if version is None:
+                self._owned.pop(session_id, None)
+            else:
+                self._owned[session_id] = version
+            if saved:
+                self._conflicts.pop(session_id, None)
+
+    def forget(self, session_id: str) -> None:
+        """Nothing of ``session_id`` is held here any more (deleted, or found absent on a resume)."""
+        with self._owned_lock:
+            self._owned.pop(session_id, None)
+            self._conflicts.pop(session_id, None)
+
+    def take_conflict(self, session_id: str) -> str | None:
+        """Why ``session_id``'s last save was refused as a conflict, once (None: no conflict since)."""
+        with self._owned_lock:
+            return self._conflicts.pop(session_id, None)
+
+    def expected_version(self, session_id: str, current: Any, *, replace: bool = False, found: bool) -> Any:
+        """The version a save of ``session_id`` must still find at its commit, given the store's
+        ``current`` one (``found``: the store holds a manifest for it, readable or not): the one
+        this process owns. Raises SaveConflict (and remembers it for :meth:`take_conflict`) when
+        the store holds another; ``replace`` (a host checkpoint's save) takes ``current``."""
+        if replace:
+            return current
+        known = self.owned_version(session_id)
+        if known is None and not found:
+            return None
+        if known is not None and found and known == current:
+            return known
+        raise self.conflict(session_id, known is None, found)
+
+    def conflict(self, session_id: str, unowned: bool, found: bool) -> SaveConflict:
+        """The SaveConflict of a save of ``session_id`` over a manifest this process does not own
+        (``unowned``: it never resumed or saved the session; ``found``: the store holds one), kept
+        for :meth:`take_conflict`; this process no longer owns the session."""
+        if unowned:
+            why = "the store holds a save of it that this process did not resume (another writer created it)"
+        elif found:
+            why = "another writer saved it since this process last saved or resumed it"
+        else:
+            why = "another writer deleted it since this process last saved or resumed it"
+        message = (
+            f"session {session_id!r} was not saved: {why}; nothing was published, the store keeps the other "
+            "writer's save, and the session continues from it once resumed"
+        )
+        with self._owned_lock:
+            self._owned.pop(session_id, None)
+            self._conflicts[session_id] = message
+        return SaveConflict(message)
+
+    def check_owned(self, session_id: str) -> None:
+        """Raise SaveConflict when the store holds another version of ``session_id`` than the one
+        this process owns (what its next save would meet): one small read, before a turn."""
+        current, found = self.current_version(session_id)
+        self.expected_version(session_id, current, found=found)
+
+    def current_version(self, session_id: str) -> tuple[Any, bool]:
+        """(the version of ``session_id``'s manifest in the store, whether there is one)."""
+        raise NotImplementedError
 
     def _check_bound(self, what: str) -> None:
         if self.inspecting:
@@ -474,7 +565,9 @@ class StoreBinding:
     # commit pairs (the worker writes and reads the open descriptors they hold); save and load
     # move host checkpoints (an application's own, and ``migrate``).
 
-    def begin_save(self, session_id: str) -> SavePlan:
+    def begin_save(self, session_id: str, *, replace: bool = False) -> SavePlan:
+        """Start a save of ``session_id``, conditional on the version this process owns
+        (:meth:`expected_version`; ``replace``: on whatever the store holds now)."""
         raise NotImplementedError
 
     def commit_save(self, plan: SavePlan, written: SaveFileReply) -> SessionManifest:
@@ -496,7 +589,7 @@ class StoreBinding:
         :class:`CheckpointWriteError` with that ``reason``. On any failure the previous save stays
         loadable."""
         checkpoint = self.checked_for_save(checkpoint)
-        plan = self.begin_save(session_id)
+        plan = self.begin_save(session_id, replace=True)
         plan.base = None  # a host checkpoint is written whole
         try:
             try:

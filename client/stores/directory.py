@@ -4,9 +4,12 @@ means. Only the store (local.py) uses these."""
 
 from __future__ import annotations
 
+import datetime
 import errno
 import fcntl
+import json
 import os
+import socket
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,9 +18,12 @@ from pathlib import Path
 from muxworker.transport.checkpoint import CheckpointReadError, CheckpointWriteError
 from muxworker.transport.checkpoint.errors import os_failure
 
-from .binding import StoreBusy, StorePermissionError, StoreUnavailable
+from .binding import COMMIT_LOCK, OWNER_LOCK, StoreBusy, StorePermissionError, StoreUnavailable
 
-__all__ = ["prepare_directory", "open_dir", "locked", "flock", "remove_tree", "reading_manifest"]
+__all__ = ["prepare_directory", "open_dir", "locked", "flock", "hold_store", "remove_tree", "reading_manifest"]
+
+#: Holders an owner lock's file lists at most (shared holders on other hosts cannot be checked).
+_MAX_HOLDERS = 32
 
 
 def prepare_directory(path: Path) -> None:
@@ -93,6 +99,121 @@ def flock(path: Path, dir_fd: int, name: str, mode: int) -> int:
         os.close(fd)
         raise os_failure(CheckpointWriteError, e, f"cannot lock the store's lock file {name!r}") from None
     return fd
+
+
+def hold_store(path: Path, *, shared: bool, role: str) -> int:
+    """The fd of the store's owner lock, :data:`OWNER_LOCK`, held until it is closed or this
+    process ends (an ``flock``: the kernel releases it with its holder, so the lock of a killed
+    server is free at once and is taken over here). ``shared`` False: this process alone (a
+    server, by default); True: with other shared writers (``--shared-store`` servers, the chat
+    app, the sessions command), never beside an exclusive holder. The file names its holders
+    (pid, host, start time, ``role``), rewritten by every holder that takes it. A holder that
+    cannot have it raises :class:`StoreBusy` naming them. flock is not reliable on NFS (some
+    clients lock only locally): there, run one server per store, or use an object store. In a
+    directory where no lock file can be created (read-only, immutable), a shared holder holds
+    none (-1): it cannot write there either."""
+    dir_fd = open_dir(path)
+    try:
+        writable = True
+        try:
+            fd = os.open(OWNER_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise os_failure(CheckpointWriteError, e, f"cannot open the store's lock file {OWNER_LOCK!r}") from None
+            # A directory nothing can be written to (read-only, immutable): its existing lock
+            # still locks (read-only); without one, a shared writer writes nothing there anyway.
+            writable = False
+            try:
+                fd = os.open(OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                if shared:
+                    return -1
+                raise os_failure(
+                    CheckpointWriteError, e, f"cannot create the store's lock file {OWNER_LOCK!r}"
+                ) from None
+        try:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreBusy(_busy(path, _holders(fd), shared)) from None
+            except OSError as e:
+                raise os_failure(CheckpointWriteError, e, f"cannot lock the store's lock file {OWNER_LOCK!r}") from None
+            me = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "mode": "shared" if shared else "exclusive",
+                "role": role,
+            }
+            if not writable:
+                return fd
+            # Under the commit lock, so that shared holders starting at once do not interleave.
+            with locked(path, dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):
+                others = [h for h in _holders(fd) if h.get("mode") == "shared"] if shared else []
+                lines = [json.dumps(h, sort_keys=True) for h in [*others[-(_MAX_HOLDERS - 1) :], me]]
+                data = ("\n".join(lines) + "\n").encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, data, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+    finally:
+        os.close(dir_fd)
+    return fd
+
+
+def _holders(fd: int) -> list[dict]:
+    """The live holders an owner lock's file names (those on this host that are gone are left out)."""
+    try:
+        raw = os.pread(fd, 1 << 16, 0).decode("utf-8", "replace")
+    except OSError:
+        return []
+    out = []
+    for line in raw.splitlines():
+        try:
+            holder = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(holder, dict) and isinstance(holder.get("pid"), int) and _alive(holder):
+            out.append(holder)
+    return out
+
+
+def _alive(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return True  # another machine's: cannot tell
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _busy(path: Path, holders: list[dict], shared: bool) -> str:
+    """Why a process cannot hold the store ``path``, naming who does."""
+    named = "; ".join(
+        f"pid {h['pid']} on {h.get('host', '?')} since {h.get('started', '?')} ({h.get('role', '?')}"
+        + (", shared" if h.get("mode") == "shared" else "")
+        + ")"
+        for h in holders
+    )
+    who = named or "another process (its record is not written yet)"
+    if shared:
+        return (
+            f"the session store {str(path)!r} is held by a server that owns it alone: {who}; stop it, or run "
+            "every server on this store with --shared-store"
+        )
+    if holders and all(h.get("mode") == "shared" for h in holders):
+        return (
+            f"the session store {str(path)!r} is in use by shared writers: {who}; stop them, or start this "
+            "server with --shared-store too"
+        )
+    return (
+        f"the session store {str(path)!r} is in use by another server: {who}; two servers writing one "
+        "store would overwrite each other's sessions: stop it, use another --store, or run both with --shared-store"
+    )
 
 
 def remove_tree(parent_fd: int, name: str) -> None:

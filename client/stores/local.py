@@ -46,6 +46,7 @@ from muxworker.transport.checkpoint.container import _open_regular, _write_all, 
 from muxworker.transport.checkpoint.errors import os_failure
 from muxworker.transport.checkpoint.manifest import SessionManifest, encode_session_manifest, read_session_manifest
 from muxworker.transport.checkpoint.segments import SegmentRef, read_payload_into, read_segment_header
+from muxworker.transport.errors import InvalidArgument
 from muxworker.transport.messages import SaveFileReply
 
 from .binding import (
@@ -69,9 +70,12 @@ from .binding import (
     seconds,
     session_hash,
 )
-from .directory import flock, locked, open_dir, prepare_directory, reading_manifest, remove_tree
+from .directory import flock, hold_store, locked, open_dir, prepare_directory, reading_manifest, remove_tree
 
 __all__ = ["SessionStore"]
+
+#: The version of a manifest that cannot be read (damaged, another session's): no process owns it.
+_UNREADABLE = "(unreadable)"
 
 
 class SessionStore(StoreBinding):
@@ -106,6 +110,7 @@ class SessionStore(StoreBinding):
         )
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.location = str(self.path)
+        self.owner_fd = -1  # the owner lock this process holds (hold()), -1: none
         prepare_directory(self.path)
 
     @classmethod
@@ -124,6 +129,8 @@ class SessionStore(StoreBinding):
         store.block_tokens = LOCAL_BLOCK_TOKENS
         store.share_blocks_across_namespaces = False
         store.inspecting = True
+        store.owner_fd = -1
+        store._init_owned()
         try:
             os.close(store._open_dir())
         except StorePermissionError:
@@ -143,6 +150,8 @@ class SessionStore(StoreBinding):
         compact_after: int = DEFAULT_COMPACT_AFTER,
         block_tokens: int = LOCAL_BLOCK_TOKENS,
         share_blocks_across_namespaces: bool = False,
+        hold: str | None = None,
+        role: str = "muxworker",
     ) -> SessionStore:
         """Hash ``model_files`` and ``configuration`` off the event loop and open the directory.
 
@@ -152,21 +161,51 @@ class SessionStore(StoreBinding):
         session's rows in its own segments, written by the worker straight into the file).
         Blocks are shared only within a namespace (the part of a session id before its first
         "/"), unless ``share_blocks_across_namespaces`` (for namespaces that trust each other).
+        ``hold``: take the store's owner lock first (:meth:`hold`): ``"exclusive"`` (a server's,
+        by default) or ``"shared"``; None: none (a library's caller coordinates its writers).
         """
+        if hold not in (None, "exclusive", "shared"):
+            raise InvalidArgument(f"hold must be None, 'exclusive' or 'shared', got {hold!r}")
 
         def build() -> SessionStore:
-            identity, inputs = checkpoint_identity_inputs(model_files, configuration)
-            return cls(
-                path,
-                identity=identity,
-                max_bytes=max_bytes,
-                inputs=inputs,
-                compact_after=compact_after,
-                block_tokens=block_tokens,
-                share_blocks_across_namespaces=share_blocks_across_namespaces,
-            )
+            owner = -1
+            if hold is not None:  # before hashing the model files: a second server fails at once
+                where = Path(os.path.abspath(os.fspath(path)))
+                prepare_directory(where)
+                owner = hold_store(where, shared=hold == "shared", role=role)
+            try:
+                identity, inputs = checkpoint_identity_inputs(model_files, configuration)
+                store = cls(
+                    path,
+                    identity=identity,
+                    max_bytes=max_bytes,
+                    inputs=inputs,
+                    compact_after=compact_after,
+                    block_tokens=block_tokens,
+                    share_blocks_across_namespaces=share_blocks_across_namespaces,
+                )
+            except BaseException:
+                if owner >= 0:
+                    os.close(owner)
+                raise
+            store.owner_fd = owner
+            return store
 
         return await trio.to_thread.run_sync(build)
+
+    def hold(self, *, shared: bool, role: str = "muxworker") -> None:
+        """Take the store's owner lock (:func:`~.directory.hold_store`) until :meth:`release` or
+        this process ends; StoreBusy naming the holder when another process has it. An
+        exclusive holder is the store's only writer; shared holders write beside each other,
+        their saves guarded by the tag-conditional commit."""
+        if self.owner_fd < 0:
+            self.owner_fd = hold_store(self.path, shared=shared, role=role)
+
+    def release(self) -> None:
+        """Give the owner lock back (if held)."""
+        if self.owner_fd >= 0:
+            os.close(self.owner_fd)
+            self.owner_fd = -1
 
     def __repr__(self) -> str:
         return f"SessionStore({str(self.path)!r}, identity={self.identity[:12]}...)"
@@ -255,7 +294,7 @@ class SessionStore(StoreBinding):
         size). The worker checks each segment's header against the manifest and every payload's
         CRC before it publishes the session."""
         self._check_bound("resume a session")
-        return self._with_segments(session_id, lambda dir_fd, m, fds: ResumePlan(session_id, fds, m))
+        return self._with_segments(session_id, lambda dir_fd, m, fds: ResumePlan(session_id, fds, m, m.tag))
 
     def verify(self, session_id: str) -> SessionInfo:
         """Read every byte of ``session_id``'s files and check every checksum; raise as :meth:`load`."""
@@ -336,23 +375,20 @@ class SessionStore(StoreBinding):
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def begin_save(self, session_id: str) -> SavePlan:
+    def begin_save(self, session_id: str, *, replace: bool = False) -> SavePlan:
         """Start a save of ``session_id``: take the writers' lock, read the manifest the save may
-        append to, and create the new segment file (``<hash>.<random>.mxseg``, O_EXCL, 0600) for the
-        worker to write. Finish with :meth:`commit_save` or :meth:`abort_save`."""
+        append to and check it is the one this process owns (its tag; else SaveConflict, see
+        :meth:`~.StoreBinding.expected_version`), and create the new segment file
+        (``<hash>.<random>.mxseg``, O_EXCL, 0600) for the worker to write. Finish with
+        :meth:`commit_save` or :meth:`abort_save`."""
         self._check_bound("save a session")
         digest = session_hash(session_id)
         dir_fd = self._open_dir()
         try:
             lock_fd = self._flock(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH)
             try:
-                found: SessionManifest | None
-                try:
-                    found = self._manifest(dir_fd, session_id)
-                except StoreUnavailable:
-                    raise
-                except CheckpointError:
-                    found = None  # none, damaged or foreign: this save writes everything
+                found, version, present = self._current(dir_fd, session_id)
+                version = self.expected_version(session_id, version, replace=replace, found=present)
                 base, compact = self._base_plan(found)
                 segment = f"{digest}.{secrets.token_hex(8)}{SEGMENT_SUFFIX}"
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -373,9 +409,30 @@ class SessionStore(StoreBinding):
                 raise
         finally:
             os.close(dir_fd)
-        plan = SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, lock_fd)
-        plan.staged, plan.compact = bool(self.block_tokens), compact
+        plan = SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, lock_fd, version)
+        plan.staged, plan.compact, plan.replace = bool(self.block_tokens), compact, replace
         return plan
+
+    def _current(self, dir_fd: int, session_id: str) -> tuple[SessionManifest | None, Any, bool]:
+        """(``session_id``'s manifest, its version, whether a file is there): the version is its
+        tag, or :data:`_UNREADABLE` for a damaged or foreign one (which no process owns)."""
+        try:
+            m = self._manifest(dir_fd, session_id)
+        except StoreUnavailable:
+            raise
+        except CheckpointNotFound:
+            return None, None, False
+        except CheckpointError:
+            return None, _UNREADABLE, True  # damaged or foreign: a save writes everything
+        return m, m.tag, True
+
+    def current_version(self, session_id: str) -> tuple[Any, bool]:
+        dir_fd = self._open_dir()
+        try:
+            _, version, present = self._current(dir_fd, session_id)
+        finally:
+            os.close(dir_fd)
+        return version, present
 
     def commit_save(self, plan: SavePlan, written: SaveFileReply) -> SessionManifest:
         """Publish what the worker wrote into ``plan``'s segment (its save_file reply ``written``):
@@ -394,10 +451,11 @@ class SessionStore(StoreBinding):
                 os.close(plan.fd)
                 plan.fd = -1
                 with self._locked(dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):
-                    try:
-                        current = self._manifest(dir_fd, plan.session_id)
-                    except CheckpointError:
-                        current = None
+                    # Under the commit lock, the check and the rename are one step for every
+                    # writer of the directory (--shared-store servers, the chat app).
+                    current, version, present = self._current(dir_fd, plan.session_id)
+                    if not plan.replace and version != plan.version:
+                        raise self.conflict(plan.session_id, plan.version is None, present)
                     if start == position and plan.base is not None:  # nothing new: no segment
                         self._unlink(dir_fd, plan.segment)
                         new_refs = []
@@ -412,6 +470,7 @@ class SessionStore(StoreBinding):
                         temp_prefix=plan.digest,
                         display=f"session {plan.session_id!r} ({self.path / name})",
                     )
+                    self.adopt(plan.session_id, m.tag, saved=True)
                     keep = {r.name for r in m.segments}
                     for ref in current.segments if current is not None else []:
                         if ref.name not in keep and not ref.shared:  # blocks go with clean()
@@ -598,6 +657,7 @@ class SessionStore(StoreBinding):
         again. The segments of a manifest that cannot be read stay until :meth:`clean`."""
         digest = session_hash(session_id)
         name = digest + SUFFIX
+        self.forget(session_id)
         dir_fd = self._open_dir()
         try:
             with self._locked(dir_fd, WRITERS_LOCK, fcntl.LOCK_SH), self._locked(dir_fd, COMMIT_LOCK, fcntl.LOCK_EX):

@@ -301,13 +301,13 @@ class ObjectSessionStore(StoreBinding):
             for fd in fetched.values():
                 os.close(fd)
 
-    def _with_segments(self, session_id: str) -> tuple[SessionManifest, builtins.list[int]]:
-        """The manifest and its downloaded segments; a manifest replaced meanwhile (a concurrent
-        save deleted a segment it named) is read again."""
+    def _with_segments(self, session_id: str) -> tuple[SessionManifest, builtins.list[int], Any]:
+        """The manifest, its downloaded segments and its e-tag; a manifest replaced meanwhile (a
+        concurrent save deleted a segment it named) is read again."""
         for _ in range(3):
-            m, _ = self._manifest(session_id)
+            m, etag = self._manifest(session_id)
             try:
-                return m, self._open_segments(m)
+                return m, self._open_segments(m), etag
             except CheckpointNotFound:
                 continue
         raise CheckpointCorrupt(
@@ -321,42 +321,55 @@ class ObjectSessionStore(StoreBinding):
         """Download and vet ``session_id``'s objects into memory files for a worker to restore from
         (the caller closes them with :meth:`ResumePlan.close`)."""
         self._check_bound("resume a session")
-        m, fds = self._with_segments(session_id)
-        return ResumePlan(session_id, fds, m)
+        m, fds, etag = self._with_segments(session_id)
+        return ResumePlan(session_id, fds, m, etag)
 
     # -- save -------------------------------------------------------------------------------------
 
-    def begin_save(self, session_id: str) -> SavePlan:
-        """Start a save: read the manifest it may append to (and its version, for the conditional
-        write) and make the memory file the worker writes the new segment into."""
+    def begin_save(self, session_id: str, *, replace: bool = False) -> SavePlan:
+        """Start a save: read the manifest it may append to and check its version (e-tag) is the
+        one this process owns (:meth:`~.StoreBinding.expected_version`: else SaveConflict), then
+        make the memory file the worker writes the new segment into. The commit's conditional
+        write publishes only over that version (create-only when none)."""
         self._check_bound("save a session")
         digest = session_hash(session_id)
         base: SessionManifest | None
+        present = True
         try:
             base, etag = self._manifest(session_id)
         except CheckpointNotFound:
-            base, etag = None, None
+            base, etag, present = None, None, False
         except StoreUnavailable:
             raise
         except CheckpointError:
             # Damaged or foreign: this save writes everything, and replaces it only if it is
             # still the object found here.
-            base, etag = None, self._etag(digest + SUFFIX)
+            base = None
+            etag, present = self._etag(digest + SUFFIX)
+        etag = self.expected_version(session_id, etag, replace=replace, found=present)
         found = base
         base, compact = self._base_plan(base)
         segment = f"{digest}.{secrets.token_hex(8)}{SEGMENT_SUFFIX}"
         fd = memory_file(segment)
         plan = SavePlan(session_id, digest, segment, fd, secrets.token_hex(16), base, -1, etag)
-        plan.staged, plan.compact, plan.found = bool(self.block_tokens), compact, found
+        plan.staged, plan.compact, plan.found, plan.replace = bool(self.block_tokens), compact, found, replace
         return plan
 
-    def _etag(self, name: str) -> Any:
+    def current_version(self, session_id: str) -> tuple[Any, bool]:
+        return self._etag(session_hash(session_id) + SUFFIX)
+
+    def _etag(self, name: str) -> tuple[Any, bool]:
+        """(the e-tag of object ``name``, whether it exists); StoreUnavailable when the store
+        does not answer."""
         import obstore
 
         try:
-            return obstore.head(self.store, name)["e_tag"]
-        except Exception:
-            return None
+            return obstore.head(self.store, name)["e_tag"], True
+        except Exception as exc:
+            failure = self._failure(exc, f"reading {name}")
+            if isinstance(failure, CheckpointNotFound):
+                return None, False
+            raise failure from None
 
     def commit_save(self, plan: SavePlan, written: SaveFileReply) -> SessionManifest:
         """Upload the segment the worker wrote, then publish the manifest with a conditional write.
@@ -378,7 +391,15 @@ class ObjectSessionStore(StoreBinding):
             # The conditional write below publishes only over the manifest begin_save found.
             m = self.next_manifest(plan, written, plan.found, new_refs)
             mode: Any = "create" if version is None else {"e_tag": version}
-            self._put(plan.digest + SUFFIX, encode_session_manifest(m), f"session {plan.session_id!r}", mode)
+            try:
+                put = self._put(plan.digest + SUFFIX, encode_session_manifest(m), f"session {plan.session_id!r}", mode)
+            except SaveConflict:
+                if plan.replace:
+                    raise
+                # Another writer published between begin_save and here: not this process's any more.
+                raise self.conflict(plan.session_id, version is None, True) from None
+            etag = put.get("e_tag") if put else None
+            self.adopt(plan.session_id, etag if etag is not None else self._etag(plan.digest + SUFFIX)[0], saved=True)
             # The conditional write replaced exactly the manifest found: its segments are ours to drop.
             keep = {r.name for r in m.segments}
             for ref in plan.found.segments if plan.found is not None else []:
@@ -538,6 +559,7 @@ class ObjectSessionStore(StoreBinding):
         try:
             m, _ = self._manifest(session_id)
         except CheckpointNotFound:
+            self.forget(session_id)
             return False
         except CheckpointError:
             m = None
@@ -547,6 +569,7 @@ class ObjectSessionStore(StoreBinding):
             obstore.delete(self.store, session_hash(session_id) + SUFFIX)
         except Exception as exc:
             raise self._failure(exc, f"deleting session {session_id!r}", CheckpointWriteError) from None
+        self.forget(session_id)
         for ref in m.segments if m is not None else []:
             if not ref.shared:  # blocks other sessions may name go with clean()
                 self._delete(ref.name)
