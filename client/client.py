@@ -81,6 +81,7 @@ __all__ = [
     "DEFAULT_STARTUP_TIMEOUT",
     "DEFAULT_STREAM_BUFFER",
     "DEFAULT_LIVENESS_TIMEOUT",
+    "prompt_too_long",
 ]
 
 DEFAULT_STARTUP_TIMEOUT = 300.0  # the first start converts the bundled GGUF
@@ -268,10 +269,7 @@ class MultiplexedWorkerClient:
         room = self.info.limits.get("max_session_tokens") if self.info is not None else None
         given = _given_token_count(prompt)
         if isinstance(room, int) and given >= room:
-            raise ContextOverflow(
-                f"the prompt has at least {given} tokens; a session holds at most {room} (max_session_tokens), "
-                "prompt plus generated tokens"
-            )
+            raise prompt_too_long(given, room)
         payloads: list[Any] = []
         segments = _prompt_segments(prompt, payloads)
         connection = self._conn
@@ -429,6 +427,15 @@ def _token_array(ids: Any) -> np.ndarray:
     if array.size and (int(array.min()) < 0 or int(array.max()) > _TOKEN_MAX):
         raise InvalidArgument(f"token ids must lie in [0, {_TOKEN_MAX}]")
     return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def prompt_too_long(given: int, room: int) -> ContextOverflow:
+    """The error for a prompt of at least ``given`` tokens where a session holds ``room`` (the
+    worker's max_session_tokens): the HTTP server's 400 ``context_length_exceeded``."""
+    return ContextOverflow(
+        f"the prompt has at least {given} tokens; a session holds at most {room} (max_session_tokens), "
+        "prompt plus generated tokens"
+    )
 
 
 def _given_token_count(prompt: Any) -> int:

@@ -49,8 +49,14 @@ __all__ = [
     "MAX_CONSTRAINT_BYTES",
     "check_constraint",
     "MAX_LOGPROBS",
+    "MAX_NEW_TOKENS",
+    "MAX_TOP_K",
+    "MAX_SEED",
+    "MAX_TOKEN_ID",
+    "SamplingFieldError",
     "JSON_LAYOUT",
     "bounded_schema",
+    "rebased_schema",
 ]
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
@@ -60,6 +66,12 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+# Integers go to the worker as msgpack and to the engine as 32-bit or 64-bit values: bounded here,
+# so a huge one is a clear error naming its field rather than an encoding error.
+MAX_NEW_TOKENS = 2**31 - 1
+MAX_TOP_K = 2**31 - 1  # any value at or past the vocabulary's size filters nothing
+MAX_SEED = 2**63  # exclusive: a seed is an int64 to the engine's generator
+MAX_TOKEN_ID = 2**31 - 1  # a prompt's or a stop token's id, before the worker checks its vocabulary
 #: How constrained JSON is laid out (llguidance's options): on one line, ``{"a": 1, "b": [true]}``.
 #: Flexible whitespace is an ignored lexeme that may repeat without bound, and a small model then
 #: loops on blank lines until max_tokens. The one layout, so what a grammar made a model write is
@@ -97,8 +109,38 @@ def bounded_schema(schema: Any) -> Any:
     return out
 
 
+def rebased_schema(schema: Any, base: str) -> Any:
+    """``schema`` (a copy) moved to the JSON pointer ``base`` of a larger schema (``#/$defs/t0``):
+    its local references (``#``, ``#/$defs/x``) rewritten to point where it now lies. Only schema
+    positions are walked, so a ``const``, ``enum`` or ``default`` value is left as written."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: rebased_schema(sub, base) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [rebased_schema(sub, base) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = rebased_schema(out[key], base)
+    return out
+
+
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 MAX_CONSTRAINT_BYTES = 256 * 1024  # a large tool set's schemas fit; a grammar's size bounds its compile
+
+
+class SamplingFieldError(InvalidArgument):
+    """A sampling field out of range; ``field`` names it (the HTTP server's ``param``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _is_int(value: object) -> bool:
@@ -106,7 +148,20 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past a float's range
+        return False
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``value`` in a message, bounded (str() of a 5,000-digit integer raises; say its size)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -148,35 +203,44 @@ class SamplingFields:
     def validate(self, vocab_size: int | None = None, *, constraint: bool = True) -> None:
         """Raise :class:`InvalidArgument` naming the first field that is out of range.
         ``constraint=False``: the constraint was checked already (its size check encodes it)."""
-        if not _is_int(self.max_new_tokens) or (self.max_new_tokens < 1 and self.max_new_tokens != -1):
-            raise InvalidArgument(f"max_new_tokens must be a positive integer or -1, got {self.max_new_tokens!r}")
+        bad = SamplingFieldError
+        if not _is_int(self.max_new_tokens) or not (
+            1 <= self.max_new_tokens <= MAX_NEW_TOKENS or self.max_new_tokens == -1
+        ):
+            raise bad(
+                "max_new_tokens",
+                f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}] or -1, got {_shown(self.max_new_tokens)}",
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise bad("temperature", f"temperature must be a finite number >= 0, got {_shown(self.temperature)}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidArgument(f"top_k must be an integer >= 0, got {self.top_k!r}")
+            raise bad("top_p", f"top_p must be in (0, 1], got {_shown(self.top_p)}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {_shown(self.top_k)}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise bad("min_p", f"min_p must be in [0, 1], got {_shown(self.min_p)}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidArgument(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {self.repetition_penalty!r}"
+            raise bad(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                f"got {_shown(self.repetition_penalty)}",
             )
         lo, hi = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not lo <= value <= hi:
-                raise InvalidArgument(f"{name} must be in [{lo:g}, {hi:g}] (0 = off), got {value!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise InvalidArgument(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+                raise bad(name, f"{name} must be in [{lo:g}, {hi:g}] (0 = off), got {_shown(value)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise bad("seed", f"seed must be an integer in [0, 2**63) or None, got {_shown(self.seed)}")
         if (
             not isinstance(self.stop, (list, tuple))
             or len(self.stop) > MAX_STOP_STRINGS
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
         ):
-            raise InvalidArgument(
+            raise bad(
+                "stop",
                 f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                f"{MAX_STOP_STRING_CHARS} characters, got {self.stop!r:.200}"
+                f"{MAX_STOP_STRING_CHARS} characters, got {self.stop!r:.200}",
             )
         if self.stop_token_ids is not None:
             if (
@@ -184,14 +248,18 @@ class SamplingFields:
                 or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
                 or not all(_is_int(t) for t in self.stop_token_ids)
             ):
-                raise InvalidArgument(
+                raise bad(
+                    "stop_token_ids",
                     f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} integers, "
-                    f"got {self.stop_token_ids!r:.200}"
+                    f"got {self.stop_token_ids!r:.200}",
                 )
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-                raise InvalidArgument(f"stop_token_ids must lie in [0, {vocab_size})")
+            limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+            if any(not 0 <= t < limit for t in self.stop_token_ids):
+                raise bad("stop_token_ids", f"stop_token_ids must lie in [0, {limit})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+            raise bad(
+                "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {_shown(self.logprobs)}"
+            )
         if constraint and self.constraint is not None:
             check_constraint(self.constraint)
 
@@ -200,22 +268,27 @@ def check_constraint(constraint: object) -> None:
     """Raise :class:`InvalidArgument` unless ``constraint`` has the shape the module docstring gives
     (what its schema or grammar says is checked by the compiler)."""
     if not isinstance(constraint, dict) or len(constraint) != 1 or next(iter(constraint)) not in CONSTRAINT_KINDS:
-        raise InvalidArgument(
-            f"constraint must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, got {constraint!r:.200}"
+        raise SamplingFieldError(
+            "constraint",
+            f"constraint must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, got {constraint!r:.200}",
         )
     (kind, value), *_ = constraint.items()
     if kind == "json_schema" and not isinstance(value, dict):
-        raise InvalidArgument(f"constraint.json_schema must be a JSON Schema object, got {value!r:.200}")
+        raise SamplingFieldError(
+            "constraint", f"constraint.json_schema must be a JSON Schema object, got {value!r:.200}"
+        )
     if kind == "json_object" and value is not True:
-        raise InvalidArgument(f"constraint.json_object must be true, got {value!r:.200}")
+        raise SamplingFieldError("constraint", f"constraint.json_object must be true, got {value!r:.200}")
     if kind in ("regex", "lark", "gbnf") and (not isinstance(value, str) or not value):
-        raise InvalidArgument(f"constraint.{kind} must be a non-empty string, got {value!r:.200}")
+        raise SamplingFieldError("constraint", f"constraint.{kind} must be a non-empty string, got {value!r:.200}")
     try:
         size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"constraint.{kind} is not JSON: {type(exc).__name__}: {exc}") from None
+        raise SamplingFieldError("constraint", f"constraint.{kind} is not JSON: {type(exc).__name__}: {exc}") from None
     if size > MAX_CONSTRAINT_BYTES:
-        raise InvalidArgument(f"constraint.{kind} is {size} bytes as JSON; at most {MAX_CONSTRAINT_BYTES} are allowed")
+        raise SamplingFieldError(
+            "constraint", f"constraint.{kind} is {size} bytes as JSON; at most {MAX_CONSTRAINT_BYTES} are allowed"
+        )
 
 
 SAMPLING_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingFields))

@@ -11,17 +11,21 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
 from muxworker.chat import default_store_dir
 from muxworker.client import MuxError, StoreBinding, WorkerStartupError, open_store
+from muxworker.client.stores import ObjectSessionStore
+from muxworker.client.stores.objects import DEFAULT_TIMEOUT
 from muxworker.worker.models.loader import BUNDLED_GGUF_NAME, ModelLoadError, resolve_model
 from muxworker.worker.options import UsageError
+from muxworker.worker.server import EXIT_USAGE
 from muxworker.worker.spec import WorkerSpec
 
 from . import defaults
@@ -54,6 +58,7 @@ async def _run(
             queue_timeout_s=args.queue_timeout,
             implicit_store_bytes=args.implicit_store_bytes,
             response_ttl_s=args.response_ttl,
+            store_timeout_s=_store_timeout(args, store),
         ),
     )
     stop = trio.Event()
@@ -61,10 +66,14 @@ async def _run(
         try:
             await nursery.start(service.run)
         except WorkerStartupError as exc:
+            if exc.returncode == EXIT_USAGE:  # a malformed model file: the worker said why, in one line
+                print(f"muxworker serve: {exc.reason}", file=sys.stderr)
+                return 2
             log.error("the worker did not start: %s", exc)
             return 1
         app = create_app(service, metrics, AppConfig(served, policy=policy, internal_token=args.internal_token))
-        config = Config()
+        config = _Config()
+        config.send_timeout_s = args.send_timeout
         config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
         config.graceful_timeout = args.graceful_timeout
         config.accesslog = None
@@ -107,6 +116,27 @@ async def _run(
     return 0
 
 
+class _Config(Config):
+    """hypercorn's config, whose listening sockets give every connection ``send_timeout_s``: the
+    kernel cuts a connection whose client has taken none of its bytes for that long (a zero
+    window) or acknowledged none (TCP_USER_TIMEOUT, which accepted sockets inherit). hypercorn
+    shields its socket writes from cancellation, so the app cannot bound them itself."""
+
+    send_timeout_s: float = 30.0
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        option = getattr(socket, "TCP_USER_TIMEOUT", None)
+        for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if option is None:
+                log.warning("--send-timeout is not enforced on this platform (no TCP_USER_TIMEOUT)")
+                break
+            sock.setsockopt(socket.IPPROTO_TCP, option, int(self.send_timeout_s * 1000))
+        return sockets
+
+
 def _run_ray(args: argparse.Namespace, argv: list[str]) -> int:
     """--ray: every flag but the Ray ones goes to each replica's server as given."""
     try:
@@ -123,6 +153,14 @@ def _run_ray(args: argparse.Namespace, argv: list[str]) -> int:
     return ray_serve.run(
         server_args, replicas=args.replicas, host=args.host, port=args.port, num_cpus=args.ray_num_cpus, ready=ready
     )
+
+
+def _store_timeout(args: argparse.Namespace, store: StoreBinding) -> float | None:
+    """How long a request waits on the store: ``--store-timeout``, else an object store's default
+    timeout; a directory store has none unless the flag sets one."""
+    if args.store_timeout is not None:
+        return args.store_timeout
+    return DEFAULT_TIMEOUT if isinstance(store, ObjectSessionStore) else None
 
 
 def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
@@ -202,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                 **spec.store_identity(),
                 share_blocks_across_namespaces=args.share_prefix_blocks,
                 timeout=args.store_timeout,
+                # One server per directory store unless --shared-store (client/stores/directory.py).
+                hold="shared" if args.shared_store else "exclusive",
+                role="muxworker serve" + (" --shared-store" if args.shared_store else ""),
             )
         )
     except (MuxError, OSError, ValueError) as exc:

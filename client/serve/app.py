@@ -16,6 +16,7 @@ import hmac
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio brings the backport
     from exceptiongroup import BaseExceptionGroup
 from muxworker.client.runtime import RuntimeStream
 from muxworker.transport.checkpoint import CheckpointNotFound
-from muxworker.transport.errors import MuxError
+from muxworker.transport.errors import ContextOverflow, InvalidArgument, MuxError
 
 from . import defaults
 from . import openai_api as oa
@@ -44,6 +45,7 @@ from . import responses_api as ra
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .policy import HttpPolicy
 from .reasoning import ReasoningParser
+from .reuse import SERVER_SESSION_ID
 from .service import ModelService, SavePolicy, session_object
 from .tenants import IMPLICIT, RESPONSE, Tenant, internal_id
 from .tools import OutputParser
@@ -57,6 +59,8 @@ SESSION_HEADER = "x-session-id"
 #: On a turn of a session whose last save failed: that failure (docs/SERVER.md, "Saving").
 SAVE_ERROR_HEADER = "x-muxworker-save-error"
 BODY_TIMEOUT_S = 30.0  # a request body dripping in slower than this holds no connection longer
+#: Bytes of a response its client has not taken yet before the generation feeding it waits (_Sender).
+UNSENT_LIMIT = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -257,15 +261,23 @@ class _GenerationEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
         status = 499  # unless set below: cancelled (the server's graceful timeout) or gone
+        out = _Sender(send)
         try:
-            status = await self._serve(scope, receive, send, t0)
-        except Exception as exc:  # every error is an OpenAI error object, never a bare 500 page
-            err = oa.error_from_mux(exc)
-            if not isinstance(exc, (oa.APIError, MuxError)):
-                log.exception("%s failed", self.name)
-            status = err.status
-            if status != 499:
-                await _error_response(err)(scope, receive, send)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(out.run)
+                try:
+                    status = await self._serve(scope, receive, out.send, t0)
+                except Exception as exc:  # every error is an OpenAI error object, never a bare 500 page
+                    err = oa.error_from_mux(exc)
+                    if not isinstance(exc, (oa.APIError, MuxError)):
+                        log.exception("%s failed", self.name)
+                    status = err.status
+                    if status != 499 and not out.failed:
+                        await _error_response(err)(scope, receive, out.send)
+                # The generation has settled and given its slot back: only the connection waits for
+                # the client to take the rest (cut by the kernel after --send-timeout without progress).
+                await out.flush()
+                nursery.cancel_scope.cancel()
         finally:
             self.guard.count(self.name, status)
 
@@ -334,18 +346,25 @@ class _GenerationEndpoint:
                 prompt = await self.service.encode(parsed.prompt)
             else:
                 prompt = parsed.prompt
+            try:
+                await self.service.check_constraint(params.fields.get("constraint"))
+            except InvalidArgument as exc:  # the schema or grammar the request's fields became
+                where = "tools" if getattr(parsed, "tools", None) is not None else "response_format"
+                where = {"response_format": "text.format"}.get(where, where) if rq is not None else where
+                raise oa.bad_request(f"{where}: {exc}", param=where) from None
             await self.service.check_store_quota(tenant)
         except Exception as exc:
             raise oa.error_from_mux(exc) from None
         units = parsed.n  # each choice runs on a session of its own
-        await self.service.admit(tenant, units)  # waits in the queue while no slot is free
+        # Waits in the queue while no slot is free, fair between tenants (a keyless server's: clients).
+        grant = await self.service.admit(tenant.admission_party(scope.get("client")), units)
         try:
             named = internal_id(tenant, public_sid) if public_sid is not None else None
             kind = RESPONSE if rq is not None and rq.store else IMPLICIT  # a stored response's history stays
             hint = rq.previous_session if rq is not None else None
             plan = await self.service.place(tenant, prompt, named, kind, salt=parsed.cache_salt, hint=hint)
         except BaseException as exc:
-            self.service.admission.release(units)
+            grant.release()
             if isinstance(exc, Exception):
                 raise oa.error_from_mux(exc) from None
             raise
@@ -359,7 +378,7 @@ class _GenerationEndpoint:
                 cached, extras = await self._forks(tenant, sid, prompt, params, salt, parsed.n, parser)
             stream, runtime = self.service.generate(sid, prompt, params, salt)
         except BaseException as exc:
-            self.service.admission.release(units)
+            grant.release()
             self.service.unplace(plan)
             self._release(extras)
             if isinstance(exc, Exception):
@@ -392,7 +411,7 @@ class _GenerationEndpoint:
             stream.cancel()  # a no-op once it has ended
             self._release(extras)
             # In the background, once the generation has settled: reuse, saves.
-            self.service.after_stream(runtime, sid, stream, saved=turn.saved, prompt=prompt, units=units)
+            self.service.after_stream(runtime, sid, stream, saved=turn.saved, prompt=prompt, grant=grant)
 
     async def _forks(
         self,
@@ -481,20 +500,25 @@ class _GenerationEndpoint:
     async def _render(self, parsed: oa.ChatRequest, rq: ra.ResponsesRequest | None) -> list[int]:
         """The prompt of a chat turn; with Responses' ``truncation: auto``, the oldest messages
         after the instructions are dropped until it fits the context, as OpenAI does."""
-        prompt = await self.service.render_chat(parsed.messages, parsed.tools)
         room = self.service.max_model_len()
         if rq is None or rq.truncation != "auto" or room is None:
-            return prompt
+            return await self.service.render_chat(parsed.messages, parsed.tools)
         max_new = parsed.params.fields.get("max_new_tokens", -1)
         room -= max(1, max_new if max_new > 0 else 1)
         messages = list(parsed.messages)
         first = 1 if messages and messages[0]["role"] == "system" else 0
-        while len(prompt) > room and len(messages) > first + 1:
+        while True:
+            try:  # a history far too long for the context is refused before it is tokenized whole
+                prompt: list[int] | None = await self.service.render_chat(messages, parsed.tools)
+            except ContextOverflow:
+                if len(messages) <= first + 1:
+                    raise
+                prompt = None
+            if prompt is not None and (len(prompt) <= room or len(messages) <= first + 1):
+                return prompt
             del messages[first]
             while len(messages) > first + 1 and messages[first]["role"] == "tool":  # no result without its call
                 del messages[first]
-            prompt = await self.service.render_chat(messages, parsed.tools)
-        return prompt
 
     async def _store(
         self, tenant: Tenant, rid: str, response: dict[str, Any], rq: ra.ResponsesRequest, sid: str
@@ -788,6 +812,69 @@ class _Out:
             await _body(self._send, chunk)
 
 
+class _Sender:
+    """A response's ASGI messages, sent in order by a task of their own (:meth:`run`), so that the
+    generation feeding them never waits for its client: one that stops reading holds no generation
+    slot (the turn settles, is saved and gives its slot back as usual), only its connection and
+    the bytes it has not taken, up to ``limit`` (then the feeder waits, as a plain send would).
+    Waiting bodies go out together. The connection is cut by the kernel once the client has taken
+    nothing for ``--send-timeout`` (TCP_USER_TIMEOUT on the listening socket, __main__.py):
+    hypercorn shields its socket writes from cancellation, so no timeout here could stop one."""
+
+    def __init__(self, send: Send, limit: int = UNSENT_LIMIT) -> None:
+        self._send = send
+        self._limit = limit
+        self._queue: deque[Message] = deque()
+        self._unsent = 0  # body bytes queued or being sent
+        self._busy = False  # run() is in a send
+        self._lot = trio.lowlevel.ParkingLot()  # every change: the waiters look again
+        self._error: Exception | None = None  # the send that failed (later sends raise it)
+
+    async def send(self, message: Message) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.append(message)
+        self._unsent += len(message.get("body", b""))
+        self._lot.unpark_all()
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            return  # the response is complete: nothing more to hold back (__call__ flushes it)
+        while self._unsent > self._limit and self._error is None:
+            await self._lot.park()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    async def flush(self) -> None:
+        """Wait until every message has gone (or sending failed)."""
+        while (self._queue or self._busy) and self._error is None:
+            await self._lot.park()
+
+    async def run(self) -> None:
+        while True:
+            while not self._queue:
+                await self._lot.park()
+            message = self._queue.popleft()
+            if message["type"] == "http.response.body" and message.get("more_body", False):
+                parts = [message.get("body", b"")]
+                while message.get("more_body", False) and self._queue and self._queue[0]["type"] == message["type"]:
+                    message = self._queue.popleft()
+                    parts.append(message.get("body", b""))
+                if len(parts) > 1:
+                    more = message.get("more_body", False)
+                    message = {"type": message["type"], "body": b"".join(parts), "more_body": more}
+            self._busy = True
+            try:
+                await self._send(message)
+            except Exception as exc:
+                self._error = exc
+                return
+            finally:
+                self._busy = False
+                self._unsent -= len(message.get("body", b""))
+                self._lot.unpark_all()
+
+
 def _first_error(exc: BaseException) -> BaseException:
     """The first leaf of an exception group (a choice's error)."""
     while isinstance(exc, BaseExceptionGroup):
@@ -918,7 +1005,12 @@ def create_app(service: ModelService, metrics: ServerMetrics, config: AppConfig)
         return _json({"object": "list", "data": await service.list_sessions(tenant)})
 
     def _sid(request: Request, tenant: Tenant) -> tuple[str, str]:
-        public = oa.check_session_id(request.path_params["session_id"], "the session id in the path")
+        """The path's session id, public and internal: a client's id, or one of the implicit and
+        response sessions the server opened for this tenant (as ``GET /v1/sessions`` lists them).
+        Always within the caller's tenant: no path names another's session."""
+        public = request.path_params["session_id"]
+        if not (isinstance(public, str) and SERVER_SESSION_ID.fullmatch(public)):
+            public = oa.check_session_id(public, "the session id in the path")
         return public, internal_id(tenant, public)
 
     @_endpoint(guard, "session")

@@ -21,7 +21,15 @@ from typing import Any
 
 from muxworker.client.params import CheckedParams
 from muxworker.transport.errors import InvalidArgument, error_code_of
-from muxworker.transport.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SAMPLING_FIELD_NAMES, SamplingFields
+from muxworker.transport.sampling import (
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID,
+    SAMPLING_FIELD_NAMES,
+    SamplingFieldError,
+    SamplingFields,
+)
 
 from .defaults import GenerationDefaults
 from .tenants import TenantQuotaExceeded
@@ -33,6 +41,7 @@ __all__ = [
     "ChatRequest",
     "SESSION_ID_PATTERN",
     "ServedModel",
+    "check_body",
     "check_session_id",
     "error_from_mux",
     "parse_chat_request",
@@ -274,13 +283,86 @@ class CompletionRequest(_Common):
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as JSON, checked whole by :func:`check_body` (the one pass every request
+    kind gets before its fields are read)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5,000-digit number, deep nesting
         raise bad_request(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    check_body(body)
     return body
+
+
+#: The deepest nesting of arrays and objects a body may have: a JSON Schema of 40 nested objects
+#: fits, and every walk downstream (schema bounds, msgpack, the grammar compiler) stays far from
+#: Python's recursion limit.
+MAX_JSON_DEPTH = 128
+#: Body fields an id or a store key is built from: NUL is refused in them as well.
+_ID_FIELDS = frozenset({"session_id", "prompt_cache_key", "cache_salt", "previous_response_id"})
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _member(path: str, key: str) -> str:
+    """``path`` then ``key`` as a JSON path (``messages[0].content``; an odd key in brackets)."""
+    if _PLAIN_KEY.fullmatch(key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{json.dumps(key)}]"  # ASCII: a key's own surrogates are escaped here
+
+
+def _unpaired_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (a JSON escape such as ``\\ud800`` decodes to one, and
+    no encoder can write it), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def check_body(body: Any, root: str = "") -> None:
+    """One pass over a whole request body, before any field is read: every string, keys too, is
+    valid Unicode (no unpaired surrogate), every number finite (a response echoes fields, and
+    JSON cannot write NaN), nesting stays within :data:`MAX_JSON_DEPTH`, and the fields ids are
+    built from hold no NUL. A 400 names the field by its JSON path (``param``). Also the JSON a
+    string of the body holds (a tool call's arguments, which templates render decoded), with
+    ``root`` the path of that string."""
+    stack: list[tuple[Any, str, int]] = [(body, root, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            at = _unpaired_surrogate(value)
+            if at is not None:
+                raise bad_request(
+                    f"{path} is not valid Unicode: it holds an unpaired surrogate "
+                    f"(\\u{ord(value[at]):04x}) at character {at}",
+                    param=path,
+                )
+            if depth == 1 and not root and path in _ID_FIELDS and "\0" in value:
+                raise bad_request(f"{path} must not contain NUL characters", param=path)
+            continue
+        if isinstance(value, float) and not math.isfinite(value):  # Python reads NaN, 1e400; JSON has neither
+            raise bad_request(f"{path} must be a finite number, got {_show(value)}", param=path)
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise bad_request(
+                f"{path or 'the request body'} is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects",
+                param=path or None,
+            )
+        if isinstance(value, dict):
+            children = []
+            for key, item in value.items():
+                where = _member(path, key)
+                if _unpaired_surrogate(key) is not None:
+                    raise bad_request(f"{where}: the key is not valid Unicode (an unpaired surrogate)", param=where)
+                children.append((item, where, depth + 1))
+        else:
+            children = [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        stack.extend(reversed(children))  # in document order: the first bad field is the one named
 
 
 def _unknown(body: Mapping[str, Any], known: frozenset[str]) -> tuple[str, ...]:
@@ -365,8 +447,13 @@ def _common(
     max_tokens = _integer(body, "max_tokens")
     if max_tokens_field is not None and body.get(max_tokens_field) is not None:
         max_tokens = _integer(body, max_tokens_field)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    max_param = (
+        max_tokens_field if max_tokens_field is not None and body.get(max_tokens_field) is not None else "max_tokens"
+    )
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_NEW_TOKENS:
+        raise bad_request(
+            f"{max_param} must be at least 1 and at most {MAX_NEW_TOKENS}, got {_show(max_tokens, 40)}", param=max_param
+        )
     default_max = max_tokens is None and served.defaults.max_tokens is not None
     if default_max:
         max_tokens = served.defaults.max_tokens
@@ -381,9 +468,7 @@ def _common(
         raise bad_request(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
     if any(not s for s in stop_list):
         raise bad_request("stop strings must not be empty", param="stop")
-    seed = _integer(body, "seed")
-    if seed is not None and not 0 <= seed < 2**64:
-        raise bad_request(f"seed must be in [0, 2**64), got {seed}", param="seed")
+    seed = _integer(body, "seed")  # its range is SamplingFields' (validate, below)
     sampling: dict[str, Any] = {}
     for name in _SAMPLING:
         value = _integer(body, name) if name == "top_k" else _number(body, name)
@@ -401,6 +486,13 @@ def _common(
     )
     try:
         fields.validate()
+    except SamplingFieldError as exc:
+        wire = {
+            "max_new_tokens": max_param,
+            "constraint": "response_format",
+            "logprobs": "top_logprobs" if "top_logprobs" in body else "logprobs",
+        }
+        raise bad_request(str(exc), param=wire.get(exc.field, exc.field)) from None
     except InvalidArgument as exc:
         raise bad_request(str(exc)) from None
     session_id = body.get("session_id")
@@ -593,7 +685,7 @@ def _tool_calls(raw: Any, index: int) -> list[ToolCall]:
     if not isinstance(raw, list):
         raise bad_request(f"messages[{index}].tool_calls must be a list", param="messages")
     calls = []
-    for c in raw:
+    for at, c in enumerate(raw):
         fn = c.get("function") if isinstance(c, dict) else None
         if (
             not isinstance(fn, dict)
@@ -606,7 +698,14 @@ def _tool_calls(raw: Any, index: int) -> list[ToolCall]:
                 "with arguments a JSON string",
                 param="messages",
             )
-        calls.append(ToolCall(c.get("id") or ToolCall.new_id(), fn["name"], fn.get("arguments", "{}")))
+        arguments = fn.get("arguments", "{}")
+        try:  # templates render the arguments decoded: what they decode to is checked as the body was
+            decoded = json.loads(arguments)
+        except (ValueError, RecursionError):
+            pass  # not JSON: rendered as the text it is
+        else:
+            check_body(decoded, f"messages[{index}].tool_calls[{at}].function.arguments")
+        calls.append(ToolCall(c.get("id") or ToolCall.new_id(), fn["name"], arguments))
     return calls
 
 
@@ -625,6 +724,9 @@ def parse_completion_request(body: Mapping[str, Any], served: ServedModel | str)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:  # the worker checks the model's vocabulary; this keeps them encodable
+            raise bad_request(f"prompt token ids must be in [0, {MAX_TOKEN_ID}], got {_show(bad, 40)}", param="prompt")
         return CompletionRequest(**vars(common), prompt=list(prompt))
     if not isinstance(prompt, str) or not prompt:
         raise bad_request(

@@ -60,7 +60,16 @@ def parser() -> argparse.ArgumentParser:
         "--store-timeout",
         type=float,
         default=None,
-        help="seconds an object store may fail to answer before a request gets 503 store_unavailable (default: 30)",
+        help="seconds the store may fail to answer before a request gets 503 store_unavailable, also while it "
+        "waits for an eviction save, and past which /health says degraded (default: 30 for an object store, "
+        "none for a directory)",
+    )
+    p.add_argument(
+        "--shared-store",
+        action="store_true",
+        help="share a directory --store with other --shared-store servers (Ray replicas pass it), the chat app "
+        "and the sessions command; by default a server holds its directory store alone and a second one exits "
+        "naming the first. Either way a save over another writer's fails with 409 save_conflict",
     )
     p.add_argument(
         "--share-prefix-blocks",
@@ -164,15 +173,16 @@ def parser() -> argparse.ArgumentParser:
         "--max-concurrent-requests",
         type=int,
         default=None,
-        help="generations run at once; more wait in the queue (default: the worker's max_sessions or "
-        "max_inflight_requests, whichever is lower)",
+        help="generations run at once; more wait in the queue, and a slot that comes free goes to the waiting "
+        "tenant running the fewest (default: the worker's max_sessions or max_inflight_requests, whichever is lower)",
     )
     p.add_argument(
         "--max-queued-requests",
         type=int,
         default=_SERVICE.max_queued_requests,
-        help="generations that may wait for a slot, served tenant by tenant in turn; more get 429 "
-        "(default: %(default)s)",
+        help="generations that may wait for a slot, served tenant by tenant in turn (without API keys: client "
+        "address by address); when it is full, a tenant holding more places than another gives one up to it; "
+        "more get 429 (default: %(default)s)",
     )
     p.add_argument(
         "--queue-timeout",
@@ -194,6 +204,13 @@ def parser() -> argparse.ArgumentParser:
         default=_SERVICE.response_ttl_s,
         help="seconds a stored response (/v1/responses) and its session are kept after their last use "
         "(default: %(default)s, 30 days)",
+    )
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take none of a response's bytes before its connection is cut (Linux: "
+        "TCP_USER_TIMEOUT); its generation never waits for it (default: %(default)s)",
     )
     p.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default: 30)"
@@ -251,6 +268,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return "--implicit-store-bytes must be at least 0 and --response-ttl above 0"
     if args.max_request_bytes < 1024:
         return f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}"
+    if not 1 <= args.send_timeout <= 3600:
+        return f"--send-timeout must be in [1, 3600] seconds, got {args.send_timeout}"
     if not args.graceful_timeout >= 0:
         return f"--graceful-timeout must be >= 0, got {args.graceful_timeout}"
     if not 1 <= args.replicas <= 1024:

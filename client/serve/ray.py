@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import openai_api as oa
-from .policy import HttpPolicy, is_wildcard
+from .policy import HttpPolicy, is_loopback, is_wildcard
 
 __all__ = [
     "SessionAffinityRouter",
@@ -184,6 +184,33 @@ class SessionAffinityRouter(_router_base()):  # type: ignore[misc]
         self._placed = {s: p for s, p in self._placed.items() if p[0] in live}
 
 
+def _bind_serve_grpc_to_loopback() -> None:
+    """In a replica on a node whose address is the loopback one (the local cluster :func:`run`
+    starts for a loopback ``--host``): Serve 2.60's replica opens its inter-deployment gRPC port on
+    every interface (``"[::]:0"``, hard-coded in ``ray.serve._private.replica``); it binds the
+    loopback address instead, as every other Ray port there does. Elsewhere nothing changes (other
+    nodes may reach that port)."""
+    import ray
+
+    try:
+        from ray.serve._private import replica as serve_replica
+    except ImportError:  # another Serve layout: test_ray.py's socket check says so
+        return
+    node = ray.util.get_node_ip_address()
+    original = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if not is_loopback(node) or original is None or getattr(original, "muxworker_loopback", False):
+        return
+
+    def add_port(server: Any, address: str) -> Any:
+        if address.startswith("[::]:") or address.startswith("0.0.0.0:"):
+            port = address.rsplit(":", 1)[1]
+            address = f"[{node}]:{port}" if ":" in node else f"{node}:{port}"
+        return original(server, address)
+
+    add_port.muxworker_loopback = True  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = add_port
+
+
 def _http_policy(server_args: Sequence[str]) -> HttpPolicy:
     """The refusals of the server ``server_args`` start, built by the server's own parser and
     :func:`~.options.http_policy` (keys also from the environment, as the child reads them)."""
@@ -207,6 +234,7 @@ class MuxworkerReplica:
 
         from .process import ServerProcess
 
+        _bind_serve_grpc_to_loopback()
         self._policy = _http_policy(server_args)  # a bad flag fails the deployment before a child starts
         self._public = None if public is None or is_wildcard(public[0]) else (public[0], int(public[1]))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -217,6 +245,8 @@ class MuxworkerReplica:
         self._server = ServerProcess(
             [
                 *server_args,
+                # Every replica writes the one store: a directory store is shared, not held by one.
+                *([] if "--shared-store" in server_args else ["--shared-store"]),
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -434,6 +464,26 @@ def replica_actors(app_name: str = "muxworker") -> dict[str, str]:
     return out
 
 
+def local_cluster_options(host: str) -> dict[str, Any]:
+    """``ray.init``'s options for the local cluster :func:`run` starts, so that Ray's daemons listen
+    where the server does (``--host``). Loopback: Ray's single-machine mode, its node address the
+    loopback one, so the GCS, the raylet and object manager, the agents, the workers and their
+    metrics ports all bind it (Ray turns a loopback ``_node_ip_address`` into the machine's outward
+    address otherwise). Another address: Ray's node address (Ray 2.60 still binds its gRPC ports on
+    every interface then: docs/SCALE_OUT.md). A wildcard: Ray's defaults."""
+    if is_wildcard(host):
+        return {}
+    if not is_loopback(host):
+        return {"_node_ip_address": host.strip("[]")}
+    from ray._private import ray_constants
+
+    # The switch Ray keeps for macOS and Windows, where a cluster is one machine: set in this
+    # process (read when Ray picks its node address) and for every Ray process started from here.
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    return {}
+
+
 def run(
     server_args: Sequence[str],
     *,
@@ -447,7 +497,9 @@ def run(
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False, **local_cluster_options(host)
+    )
     stop = False
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -56,9 +56,12 @@ def reasoning_total(counts: Sequence[int | None]) -> int | None:
 
 
 def finish_reason(result: GenerationResult, calls: Sequence[ToolCall] = ()) -> str:
-    if calls:
-        return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"
+    """``length`` for an output cut by max_tokens, its complete calls kept beside it (as OpenAI's
+    may): a client streaming the calls knows the last may be cut short; else ``tool_calls`` for a
+    reply with calls, ``stop`` for one without."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def new_id(prefix: str) -> str:

@@ -384,7 +384,12 @@ def parse_responses_request(
     try:
         parsed = oa.parse_chat_request(chat, served, max_messages)
     except oa.APIError as exc:
-        exc.param = _PARAMS.get(exc.param or "", exc.param)
+        if exc.param in _PARAMS:  # named as a Responses client knows it, in the message too
+            name = _PARAMS[exc.param]
+            if exc.message.startswith(exc.param + " "):
+                exc.message = name + exc.message[len(exc.param) :]
+                exc.args = (exc.message,)
+            exc.param = name
         raise
     return ResponsesRequest(
         parsed, dict(body), items, history, store, body.get("previous_response_id"), truncation, ignored, namespaces=ns
@@ -671,6 +676,13 @@ class EventWriter:
                 arguments=call.arguments,
             )
             out += self._event("response.output_item.done", output_index=index, item=item)
+        for i in sorted(i for i in self._calls if i >= len(calls)):
+            # A call cut short by max_output_tokens: its item closes as incomplete and leaves the
+            # output (the last item: no other's index moves), as the response not streamed drops it.
+            item = self._calls.pop(i)
+            item["status"] = "incomplete"
+            out += self._event("response.output_item.done", output_index=self.output.index(item), item=item)
+            self.output.remove(item)
         final = self._snapshot(status, result=result, reasoning_tokens=reasoning_tokens)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return out + self._event(kind, response=final), final

@@ -28,6 +28,7 @@ back (:meth:`ReuseIndex.note_turn`). Owner: the server's trio thread.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -38,7 +39,7 @@ import numpy as np
 
 from .tenants import IMPLICIT, RESPONSE, Tenant, session_kind
 
-__all__ = ["Entry", "Plan", "ReuseIndex", "common_prefix"]
+__all__ = ["SERVER_SESSION_ID", "Entry", "Plan", "ReuseIndex", "common_prefix"]
 
 #: Entries kept per tenant (matching a prompt compares it with each); the least recently used
 #: beyond it are forgotten (their sessions stay, as a cache the store bound removes).
@@ -49,6 +50,9 @@ RESTORED_SHARE = 0.9
 #: A branch must share this many more tokens than the named session's own history before it is
 #: copied into it (a copy of a few rows is not worth a round trip).
 MIN_GAIN = 16
+#: The public id of a session the server opened itself (:meth:`ReuseIndex.new_sid`, less the
+#: tenant): ``GET /v1/sessions`` lists them, so the session endpoints address them too.
+SERVER_SESSION_ID = re.compile(f"(?:{re.escape(IMPLICIT)}|{re.escape(RESPONSE)})[0-9a-f]{{32}}-[0-9a-f]{{32}}")
 
 
 def salt_tag(salt: str | None) -> str:
@@ -86,8 +90,6 @@ class Entry:
     used: float = field(default_factory=time.time)
     nbytes: int = 0  # store bytes, as last listed
     busy: bool = False  # a generation runs on it (or a plan is being carried out)
-    #: Stored responses it holds, as this server stored them; None: unknown (listed after a restart).
-    responses: set[str] | None = field(default_factory=set)
 
     @property
     def kind(self) -> str:
@@ -132,8 +134,6 @@ class ReuseIndex:
         entry = tenant.get(sid)
         if entry is None:
             entry = tenant[sid] = Entry(sid, used=time.time() if used is None else used)
-            if used is not None:  # listed from the store: what else it holds is unknown
-                entry.responses = None
             while len(tenant) > self.max_entries:
                 oldest = next((e for e in tenant.values() if not e.busy), None)
                 if oldest is None:

@@ -13,6 +13,7 @@ Owner: the server's trio thread; everything runs in one event loop with the trio
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -20,7 +21,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,8 @@ import trio
 
 from muxworker.client.client import MultiplexedWorkerClient, spawn_multiplexed_worker
 from muxworker.client.params import CheckedParams, GenerationResult
-from muxworker.client.runtime import RuntimeStream, SessionRuntime
-from muxworker.client.stores import SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
+from muxworker.client.runtime import EvictionFailed, RuntimeStream, SessionRuntime
+from muxworker.client.stores import SaveConflict, SessionInfo, StoreBinding, StoreBusy, StoreUnavailable
 from muxworker.transport.checkpoint import CheckpointError, CheckpointNotFound
 from muxworker.transport.errors import (
     CapacityExhausted,
@@ -44,11 +45,13 @@ from muxworker.transport.errors import (
     Unsaveable,
     WorkerDiedError,
 )
+from muxworker.worker.engine.constraints import GrammarCompiler
 from muxworker.worker.models.tokenizer import ChatTemplateError, Tokenizer
 from muxworker.worker.spec import WorkerSpec
 
-from .admission import Admission
+from .admission import Admission, Grant
 from .metrics import ServerMetrics
+from .prompt_bound import TRIM_AFTER_BYTES, check_bytes, encode_within, string_bytes, trim_heap
 from .reasoning import Thinking
 from .reuse import Plan, ReuseIndex
 from .tenants import EPHEMERAL, IMPLICIT, NAMED, RESPONSE, Tenant, TenantQuotaExceeded, _Usage, session_kind
@@ -94,6 +97,10 @@ class ServiceConfig:
     #: most this many seconds, before a 429 (admission.py).
     max_queued_requests: int = 128
     queue_timeout_s: float = 60.0
+    #: Seconds a request waits on the store (a resume, an eviction save making room) before a 503
+    #: store_unavailable, and past which a store call still running makes /health "degraded"
+    #: (--store-timeout). None: no bound (a directory store, unless the flag is given).
+    store_timeout_s: float | None = None
 
 
 @dataclass
@@ -145,6 +152,7 @@ class ModelService:
         self.worker_command = spec.command()
         self._tokenizer: Tokenizer | None = None  # the worker's own, loaded here: chat turns render here
         self._thinking: Thinking | None = None  # the model's reasoning tags, when it thinks (reasoning.py)
+        self._grammars: GrammarCompiler | None = None  # constraints checked before admission (check_constraint)
         self.store = store
         self.metrics = metrics
         self.config = config
@@ -155,6 +163,7 @@ class ModelService:
         self._nursery: trio.Nursery | None = None  # background saves and closes
         self._dirty: set[str] = set()  # internal ids with turns not yet in the store
         self._opening: dict[str, list] = {}  # sid -> [lock, users]: serializes a session's first use
+        self._holder_locks: dict[str, list] = {}  # response session -> [lock, users] (_holders_lock)
         self._background = 0  # background tasks running (saves after turns, closes)
         self._idle = trio.Event()  # set while none runs
         self._idle.set()
@@ -164,10 +173,12 @@ class ModelService:
         self.last_error: str | None = None
         self._records: dict[str, SessionRecord] = {}  # named sessions this server has served
         self.store_error: str | None = None  # the store's last failure, until an operation succeeds
+        self._store_calls: dict[object, float] = {}  # store calls running -> when each began (store_health)
         self.store_error_since: float | None = None
         self._usage: dict[str, _Usage] | None = None  # per tenant, from a store listing (quotas only)
         self._usage_at = -math.inf
         self._message_tokens = 1  # the fewest tokens one chat message renders to (measured at start)
+        self._trim_pending = False  # a heap trim after a refused big prompt is scheduled
         self.reuse = ReuseIndex()  # what a prompt naming no session may continue (reuse.py)
         self.admission = Admission(None, config.max_queued_requests, config.queue_timeout_s)
         self._indexed: set[str] = set()  # tenants whose stored sessions the index has listed since the start
@@ -267,7 +278,7 @@ class ModelService:
                 await client.close()
             raise
         if self._tokenizer is None:
-            self._tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, self.spec.model_dir)
+            self._tokenizer = await trio.to_thread.run_sync(_load_tokenizer, self.spec)
             self._thinking = Thinking.of(self._tokenizer)
             try:
                 self._message_tokens = _tokens_per_message(self._tokenizer)
@@ -460,28 +471,30 @@ class ModelService:
         if self.config.save_policy is not SavePolicy.EVICT:
             self._spawn(self._save, runtime, sid)
 
-    async def admit(self, tenant: Tenant, units: int) -> None:
-        """Wait for ``units`` generation slots (admission.py); :meth:`after_stream` gives them back,
-        or the caller with ``self.admission.release`` when no generation started."""
-        waited = await self.admission.acquire(tenant.name, units)
-        self.metrics.queued.observe(waited)
+    async def admit(self, party: str, units: int) -> Grant:
+        """Wait for ``units`` generation slots for ``party`` (``Tenant.admission_party``;
+        admission.py); :meth:`after_stream` gives them back, or the caller with ``Grant.release``
+        when no generation started."""
+        grant = await self.admission.acquire(party, units)
+        self.metrics.queued.observe(grant.waited)
+        return grant
 
     def after_stream(
-        self, runtime: SessionRuntime, sid: str, stream: RuntimeStream, *, saved: bool, prompt: list[int], units: int
+        self, runtime: SessionRuntime, sid: str, stream: RuntimeStream, *, saved: bool, prompt: list[int], grant: Grant
     ) -> None:
         """:meth:`after_turn` once ``stream``'s generation has settled (in the background: a
-        cancelled one settles after its response is gone), then give its ``units`` back."""
+        cancelled one settles after its response is gone), then give its ``grant`` back."""
 
         async def settle() -> None:
             try:
                 result, error = await stream.settled()
             finally:
-                self.admission.release(units)
+                grant.release()
             ran = not isinstance(error, _REFUSED_AT_SUBMIT) and not (result is not None and _never_sent(result))
             self.after_turn(runtime, sid, result, saved=saved, prompt=prompt, ran=ran)
 
         if self._nursery is None:  # not running (an in-process test): nothing settles later
-            self.admission.release(units)
+            grant.release()
             return
         self._spawn(settle)
 
@@ -510,16 +523,35 @@ class ModelService:
         return doc
 
     async def store_response(self, tenant: Tenant, rid: str, data: bytes, session: str) -> None:
-        """Keep response ``rid`` (its record ``data``) with the session holding it."""
-        await self._store_call(trio.to_thread.run_sync(self.store.put_record, self._response_key(tenant, rid), data))
-        entry = self.reuse.get(session)
-        if entry is not None and entry.responses is not None:
-            entry.responses.add(rid)
+        """Keep response ``rid`` (its record ``data``) with the session holding it. The session's
+        list of the responses it holds (a record of its own, so a server started later knows it)
+        names ``rid`` first: a crash between the two writes leaves the session kept until
+        ``response_ttl_s``, never deleted while a stored response needs it."""
+        held = session_kind(session) == RESPONSE and session.startswith(tenant.prefix)
+        if held:
+            async with self._holders_lock(session):
+                rids = await self._holders(session) or set()
+                await self._put_holders(session, rids | {rid})
+        try:
+            await self._store_call(
+                trio.to_thread.run_sync(self.store.put_record, self._response_key(tenant, rid), data)
+            )
+        except Exception:
+            if held:  # not stored: it holds nothing (the session stays, as any other with no response yet)
+                try:
+                    async with self._holders_lock(session):
+                        listed = await self._holders(session)
+                        if listed is not None and rid in listed:
+                            await self._put_holders(session, listed - {rid})
+                except Exception as exc:  # the store fails: the session then stays until response_ttl_s
+                    log.info("unlisting response %s of %s: %s: %s", rid, session, type(exc).__name__, exc)
+            raise
 
     async def delete_response(self, tenant: Tenant, rid: Any) -> bool:
-        """Delete response ``rid``, and its session when that holds no other response this server
-        stored (a session of the index's kind RESPONSE; one it cannot tell about stays until
-        ``response_ttl_s`` after its last use)."""
+        """Delete response ``rid``, and its session (live and in the store) when no other stored
+        response needs it, by the session's list of the responses it holds (also after a restart).
+        A session saved before servers kept that list stays until ``response_ttl_s`` after its
+        last use."""
         if not isinstance(rid, str) or not _RESPONSE_ID.fullmatch(rid):
             return False
         key = self._response_key(tenant, rid)
@@ -529,12 +561,55 @@ class ModelService:
             return False
         await self._store_call(trio.to_thread.run_sync(self.store.delete_record, key))
         session = doc.get("session")
-        entry = self.reuse.get(session) if isinstance(session, str) else None
-        if entry is not None and entry.responses is not None and session_kind(session) == RESPONSE:
-            entry.responses.discard(rid)
-            if not entry.responses and not entry.busy:
-                await self.delete_session(session)
+        if isinstance(session, str) and session.startswith(tenant.prefix) and session_kind(session) == RESPONSE:
+            await self._drop_holder(session, rid)
         return True
+
+    @staticmethod
+    def _holders_key(session: str) -> str:
+        """The record listing the stored responses whose KV response session ``session`` holds."""
+        return f"{session}/responses"
+
+    async def _holders(self, session: str) -> set[str] | None:
+        """The responses ``session`` holds, as its record lists them; None: no record."""
+        try:
+            raw = await self._store_call(trio.to_thread.run_sync(self.store.get_record, self._holders_key(session)))
+        except CheckpointNotFound:
+            return None
+        return set(json.loads(raw))
+
+    async def _put_holders(self, session: str, rids: set[str]) -> None:
+        data = json.dumps(sorted(rids)).encode()
+        await self._store_call(trio.to_thread.run_sync(self.store.put_record, self._holders_key(session), data))
+
+    @contextlib.asynccontextmanager
+    async def _holders_lock(self, session: str) -> AsyncIterator[None]:
+        """Serializes the read-modify-write of one session's list of responses."""
+        entry = self._holder_locks.get(session)
+        if entry is None:
+            entry = self._holder_locks[session] = [trio.Lock(), 0]
+        entry[1] += 1  # tasks using this lock; the last one out removes it
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._holder_locks[session]
+
+    async def _drop_holder(self, session: str, rid: str) -> None:
+        """``rid`` no longer needs ``session``: delete the session once none does (unless a turn
+        runs on it now, whose response will name it)."""
+        async with self._holders_lock(session):
+            rids = await self._holders(session)
+            if rids is None:  # listed by no record (saved by an older server): kept until its TTL
+                return
+            rids.discard(rid)
+            entry = self.reuse.get(session)
+            if rids or (entry is not None and entry.busy):
+                await self._put_holders(session, rids)
+                return
+            await self.delete_session(session)  # its list of responses too
 
     # -- reuse without a session id (reuse.py) ---------------------------------------------------------
 
@@ -567,6 +642,7 @@ class ModelService:
                 except Exception as exc:  # gone or unreadable: the prompt is matched against the rest
                     log.info("reading %s for reuse: %s: %s", hint, type(exc).__name__, exc)
         if named is not None:
+            await self.ensure_owned(runtime, named)
             await self._room(lambda: self.ensure_session(named, tenant))
             await self._know_history(named)
             plan = self.reuse.plan_named(tenant, named, prompt, salt)
@@ -590,6 +666,33 @@ class ModelService:
             self.unplace(plan)
             raise
         return plan
+
+    async def ensure_owned(self, runtime: SessionRuntime, sid: str) -> None:
+        """SaveConflict (a 409) when a save of ``sid`` was refused because another writer (a
+        second server on the store) saved it since this server last saved or resumed it: the
+        turns since this server's last save are gone, and the client must know before it builds
+        on them. Said once; the live copy is dropped (with its history in the reuse index), so
+        the next request resumes what the store holds. Under ``--save sync`` the store is asked before every turn of a live
+        session, so that the turn itself is refused rather than answered and then not saved."""
+        message = self.store.take_conflict(sid)
+        if message is None and self.config.save_policy is SavePolicy.SYNC and runtime.session_state(sid) == "live":
+            try:
+                await self._store_call(trio.to_thread.run_sync(self.store.check_owned, sid))
+            except SaveConflict as exc:
+                message = self.store.take_conflict(sid) or str(exc)
+        if message is not None:
+            # Also where an eviction's save met the conflict (the runtime dropped the copy, but
+            # the index still holds its history).
+            await self._drop_stale(runtime, sid)
+            raise SaveConflict(message)
+
+    async def _drop_stale(self, runtime: SessionRuntime, sid: str) -> None:
+        """Close ``sid``'s live copy, which another writer's save superseded (not saved: the
+        store keeps the other's), and forget its history here; its next use resumes the store's."""
+        self._dirty.discard(sid)
+        self.reuse.forget(sid)
+        if runtime.session_state(sid) is not None:
+            await self._close_quietly(runtime, sid)
 
     async def _resume_target(
         self, runtime: SessionRuntime, tenant: Tenant, plan: Plan, kind: str, salt: str | None
@@ -634,9 +737,22 @@ class ModelService:
         ``queue_timeout_s`` (CapacityExhausted, a 429)."""
         deadline = trio.current_time() + self.config.queue_timeout_s
         delay = 0.005
-        while True:
+
+        async def attempt() -> Any:
             try:
                 return await call()
+            except EvictionFailed as exc:
+                # The slot's holder could not be saved (the store is down, the disk full): that
+                # is the answer now, not a 429 after the queue's wait for a slot that stays taken.
+                if isinstance(exc.cause, CheckpointError):
+                    raise exc.cause from None
+                raise
+
+        while True:
+            try:
+                # Bounded by --store-timeout: an eviction save or a resume stuck in the store is
+                # a 503 then (it goes on under its session's lease, and the next try finds it done).
+                return await self._store_call(attempt(), bounded=True, clears=False)
             except CapacityExhausted:
                 if trio.current_time() + delay > deadline:
                     raise
@@ -659,9 +775,9 @@ class ModelService:
         for attempt in range(2):
             state = runtime.session_state(source)
             if state is None:
-                await self._store_call(runtime.resume_session(source))
+                await self._store_call(runtime.resume_session(source), bounded=True)
             elif state == "evicted":
-                await self._store_call(runtime.bring_back(source))
+                await self._store_call(runtime.bring_back(source), bounded=True)
             try:
                 await runtime.fork_session(source, target, rows)
                 return
@@ -737,6 +853,7 @@ class ModelService:
             return SaveOutcome(False, error="the worker died before the turn was saved")
         self._note_turn(sid, result)
         await self._save(runtime, sid)
+        self.store.take_conflict(sid)  # a conflict is this turn's save_error: told here, not again
         record = self._records.get(sid)
         if record is None or record.save_error is not None or sid in self._dirty:
             return SaveOutcome(False, error=record.save_error if record is not None else None)
@@ -752,7 +869,24 @@ class ModelService:
             self.metrics.saves.labels("nothing_to_save").inc()
             self._dirty.discard(sid)
             return False
+        except SaveConflict as exc:
+            # Another writer saved the session since this server last saved or resumed it: this
+            # copy is stale. Dropped, so the next turn resumes the store's; the session's next
+            # request is answered 409 (ensure_owned), so the turns the other save replaced are
+            # not lost silently.
+            self.metrics.saves.labels("failed").inc()
+            record.save_error = f"{type(exc).__name__}: {exc}"[:500]
+            record.save_failed_at = time.time()
+            record.store_failed = False  # the store works; the session has another owner
+            log.warning("saving session %s: %s", sid, exc)
+            await self._drop_stale(runtime, sid)
+            return False
         except Exception as exc:
+            if isinstance(exc, SessionNotFound) and runtime.session_state(sid) is None:
+                # Deleted (or closed) before this background save reached it: nothing is left to save.
+                self._records.pop(sid, None)
+                self._dirty.discard(sid)
+                return False
             self.metrics.saves.labels("failed").inc()
             record.save_error = f"{type(exc).__name__}: {exc}"[:500]
             record.save_failed_at = time.time()
@@ -777,7 +911,12 @@ class ModelService:
         _, runtime = self._live()
         if runtime.session_state(sid) is None:
             return await self.session_info(sid)  # not live: the store already has what there is
-        await self._store_call(runtime.save_session(sid))  # Unsaveable (nothing committed) is the caller's 409
+        try:
+            await self._store_call(runtime.save_session(sid))  # Unsaveable (nothing committed) is the caller's 409
+        except SaveConflict:
+            self.store.take_conflict(sid)  # this request is told
+            await self._drop_stale(runtime, sid)
+            raise
         self._dirty.discard(sid)
         record = self._records.setdefault(sid, SessionRecord())
         record.save_error = record.save_failed_at = None
@@ -810,33 +949,61 @@ class ModelService:
         return [out[k] for k in sorted(out)]
 
     async def delete_session(self, sid: str) -> bool:
-        """Close it if live and delete its files; returns whether anything existed."""
+        """Close it if live, its history forgotten first (so its KV does not stay behind as a
+        prefix-cache entry), and delete its files (for a response session, also its list of the
+        responses it holds); returns whether anything existed."""
         existed = False
+        self.reuse.forget(sid)  # before any await: no plan picks it meanwhile
         runtime = self._runtime
-        if runtime is not None and runtime.session_state(sid) is not None:
+        state = runtime.session_state(sid) if runtime is not None else None
+        if runtime is not None and state is not None:
+            if state == "live":
+                try:
+                    await runtime.reset_session(sid)
+                except CapacityExhausted:  # all capacity admitted: closed as it is (a close never waits for it)
+                    pass
             await runtime.close_session(sid)
             existed = True
         self._dirty.discard(sid)
         self._records.pop(sid, None)
-        self.reuse.forget(sid)
         if self._usage is not None:
             usage = self._usage.get(sid.split("/", 1)[0], _Usage())
             usage.sessions.pop(sid, None)
             usage.cached.pop(sid, None)
-        return await self._store_call(trio.to_thread.run_sync(self.store.delete, sid)) or existed
+        deleted = await self._store_call(trio.to_thread.run_sync(self.store.delete, sid))
+        if session_kind(sid) == RESPONSE:
+            await self._store_call(trio.to_thread.run_sync(self.store.delete_record, self._holders_key(sid)))
+        return deleted or existed
 
     # -- the store: failures, quotas, collection ---------------------------------------------------
 
-    async def _store_call(self, call: Any) -> Any:
+    async def _store_call(self, call: Any, *, bounded: bool = False, clears: bool = True) -> Any:
         """Await ``call`` (a store operation, or a runtime call that reaches the store) and keep
-        :attr:`store_error` true: set by StoreUnavailable (which propagates), cleared by success."""
+        :attr:`store_error` true: set by StoreUnavailable (which propagates), cleared by success
+        (unless not ``clears``: a call that may not have reached the store). ``bounded`` (a
+        runtime call, which goes on under its session's lease when its caller stops waiting):
+        StoreUnavailable once it has run ``store_timeout_s``. While a call runs longer than
+        that, :meth:`store_health` says the store is failing."""
+        token = object()
+        self._store_calls[token] = time.time()
+        limit = self.config.store_timeout_s
         try:
-            result = await call
+            with trio.move_on_after(limit if bounded and limit is not None else math.inf) as scope:
+                result = await call
+            if scope.cancelled_caught:
+                raise StoreUnavailable(
+                    f"the session store did not answer within {limit:g} s (--store-timeout); the saved "
+                    "sessions are not known to be damaged"
+                )
         except StoreUnavailable as exc:
             if self.store_error is None:
                 self.store_error_since = time.time()
             self.store_error = f"{type(exc).__name__}: {exc}"[:500]
             raise
+        finally:
+            del self._store_calls[token]
+        if not clears:
+            return result
         if self.store_error is not None:
             log.info("the session store answers again")
         self.store_error = self.store_error_since = None
@@ -845,11 +1012,15 @@ class ModelService:
     def store_health(self) -> dict[str, Any]:
         """The store's state for ``/health``: ok, or its last failure and since when."""
         failing = [r for r in self._records.values() if r.save_error is not None and r.store_failed]
-        if self.store_error is None and not failing:
+        limit, now = self.config.store_timeout_s, time.time()
+        stuck = min(self._store_calls.values(), default=now) if limit is not None else now
+        if self.store_error is None and not failing and now - stuck <= (limit or 0):
             return {"status": "ok"}
         out: dict[str, Any] = {"status": "failing"}
         if self.store_error is not None:
             out.update(error=self.store_error, since=math.floor(self.store_error_since or 0))
+        elif limit is not None and now - stuck > limit:  # a call stuck past the timeout, not failed yet
+            out.update(error=f"a store operation has not returned for {now - stuck:.0f} s", since=math.floor(stuck))
         if failing:
             out["sessions_with_failed_saves"] = len(failing)
             out["last_save_error"] = max(failing, key=lambda r: r.save_failed_at or 0).save_error
@@ -912,6 +1083,18 @@ class ModelService:
             )
         usage.sessions.setdefault(sid, 0)
 
+    async def check_constraint(self, constraint: dict[str, Any] | None) -> None:
+        """InvalidArgument unless ``constraint`` compiles and can start, as the worker's engine will
+        compile it (worker/engine/constraints.py), on a thread: a schema the engine cannot follow is
+        refused before the request is admitted, never mid-stream."""
+        if constraint is None:
+            return
+        tokenizer = self._tokenizer
+        assert tokenizer is not None  # loaded before the first worker is ready
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids))
+        await trio.to_thread.run_sync(self._grammars.check, constraint)
+
     async def check_store_quota(self, tenant: Tenant) -> None:
         """Before a turn: TenantQuotaExceeded when the tenant's sessions already fill its store quota."""
         limit = self.config.max_store_bytes_per_tenant
@@ -972,10 +1155,35 @@ class ModelService:
         return self._tokenizer.token_bytes(token_id)
 
     async def encode(self, text: str) -> list[int]:
-        """``text`` as the worker encodes a text prompt (no special tokens parsed), on a thread."""
+        """``text`` as the worker encodes a text prompt (no special tokens parsed), on a thread;
+        ContextOverflow for a text that cannot fit a session, at a cost bounded by the context
+        (prompt_bound.py). The tokenizer releases the GIL: other sessions stream meanwhile."""
         tokenizer = self._tokenizer
         assert tokenizer is not None  # loaded before the first worker is ready
-        return await trio.to_thread.run_sync(lambda: tokenizer.encode(text, parse_special=False))
+        room = self.max_model_len()
+
+        def encode() -> list[int]:
+            return encode_within(
+                lambda part: tokenizer.encode(part, parse_special=False), text, room, tokenizer.max_token_bytes
+            )
+
+        return await self._bounded(encode, lambda: len(text))
+
+    async def _bounded(self, work: Callable[[], list[int]], size: Callable[[], int]) -> list[int]:
+        """``work()`` on a thread; where it refuses an input of more than TRIM_AFTER_BYTES
+        (``size()``), the memory it took goes back to the system once its request is done."""
+        try:
+            return await trio.to_thread.run_sync(work)
+        except ContextOverflow:
+            if not self._trim_pending and size() > TRIM_AFTER_BYTES:
+                self._trim_pending = True
+                self._spawn(self._trim_heap)
+            raise
+
+    async def _trim_heap(self) -> None:
+        await trio.sleep(_TRIM_DELAY_S)  # the refused request has answered and dropped its body by then
+        self._trim_pending = False
+        await trio.to_thread.run_sync(trim_heap)
 
     def max_messages(self) -> int | None:
         """The most chat messages a request may carry: more cannot fit the worker's context, as
@@ -1005,16 +1213,25 @@ class ModelService:
         assert tokenizer is not None  # loaded before the first worker is ready
         fmt = self.tool_format()
 
+        room, max_token_bytes = self.max_model_len(), tokenizer.max_token_bytes
+
+        def size() -> int:
+            """The bytes of the strings the template is handed (messages, tools' names, descriptions, schemas)."""
+            return string_bytes(messages) + (string_bytes([t.openai() for t in tools.tools]) if tools else 0)
+
         def render() -> list[int]:
+            # Text that cannot fit is refused before it is formatted (json.dumps holds the GIL) or
+            # rendered (prompt_bound.py).
+            check_bytes(size(), room, max_token_bytes)
             try:
                 text = tokenizer.apply_chat_template(
                     fmt.messages(messages, tools), add_generation_prompt=True, tools=fmt.template_tools(tools)
                 )
             except ChatTemplateError as exc:
                 raise InvalidArgument(str(exc)) from None
-            return tokenizer.encode(text, parse_special=True)
+            return encode_within(lambda part: tokenizer.encode(part, parse_special=True), text, room, max_token_bytes)
 
-        return await trio.to_thread.run_sync(render)
+        return await self._bounded(render, size)
 
     def generate(
         self, sid: str, prompt: str | list[int], params: CheckedParams, cache_salt: str
@@ -1050,6 +1267,17 @@ def _never_sent(result: GenerationResult) -> bool:
 
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 _LOAD_AT_START = 32  # stored sessions per tenant whose histories the reuse index reads after a start
+
+
+_TRIM_DELAY_S = 0.5  # after a refused big prompt, the heap is trimmed this much later
+
+
+def _load_tokenizer(spec: WorkerSpec) -> Tokenizer:
+    """The worker's tokenizer, with its longest token measured (a pass over the vocabulary) here,
+    on the loading thread."""
+    tokenizer = Tokenizer.from_dir(spec.model_dir)
+    tokenizer.max_token_bytes  # noqa: B018 - computed once and cached
+    return tokenizer
 
 
 def _tokens_per_message(tokenizer: Tokenizer) -> int:

@@ -16,6 +16,7 @@ IMPLICIT = "~i-"
 RESPONSE = "~r-"
 NAMED = "named"
 EPHEMERAL = "~"
+_LOCAL = "local"  # the tenant of every request on a server without API keys
 
 
 def session_kind(sid: str) -> str:
@@ -58,8 +59,17 @@ class Tenant:
     @classmethod
     def of_key(cls, key: str | None) -> Tenant:
         if key is None:
-            return cls("local")
+            return cls(_LOCAL)
         return cls("k" + hashlib.sha256(key.encode()).hexdigest()[:16])
+
+    def admission_party(self, client: tuple[str, int] | list | None) -> str:
+        """Who shares the generation slots and the queue fairly with the others (admission.py):
+        the tenant; on a server without keys, whose one tenant is everyone, the client's address
+        (``client``: the ASGI scope's), so that one client's burst holds no other's request. Its
+        sessions stay the tenant's."""
+        if self.name != _LOCAL or not client:
+            return self.name
+        return f"{self.name}@{client[0]}"
 
     @property
     def prefix(self) -> str:

@@ -24,7 +24,9 @@ next turn of a session reuses the whole history, tool calls and results included
 
 :class:`OutputParser` turns the generated text into content and calls, streamed: content as it
 comes (a possible opening tag held back until it is decided), each call's id and name once its
-name is written, then its arguments piece by piece (:class:`CallDelta`). For a model that thinks,
+name is written, then its arguments piece by piece (:class:`CallDelta`), each call on an index of
+its own. An output cut by max_tokens keeps its complete calls; only the one cut short is dropped
+(it streamed on the last index). For a model that thinks,
 reasoning.py's parser stands in front of it and hands it the answer only, never the reasoning.
 """
 
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from muxworker.transport.sampling import JSON_LAYOUT, bounded_schema
+from muxworker.transport.sampling import JSON_LAYOUT, bounded_schema, rebased_schema
 
 __all__ = ["Tool", "ToolCall", "CallDelta", "ToolRequest", "ToolFormat", "OutputParser", "tool_format", "TOOL_NAME"]
 
@@ -105,8 +107,7 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
-    params = tool.parameters or {"type": "object"}
+def _call_schema(tool: Tool, args_key: str, params: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, args_key: params},
@@ -115,16 +116,31 @@ def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
     }
 
 
-def _one_of(tools: Sequence[Tool], args_key: str) -> dict[str, Any]:
-    """The schema of one call to any of ``tools``."""
-    schemas = [_call_schema(t, args_key) for t in tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+def _one_of(tools: Sequence[Tool], args_key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schema of one call to any of ``tools``, and the ``$defs`` its root schema must carry:
+    a tool's parameters that refer to themselves (``#/$defs/...``, as pydantic writes them, or
+    ``#``) lie there as ``t<i>``, their references rebased, so ``#`` still means the parameters
+    and not the call around them."""
+    defs: dict[str, Any] = {}
+    schemas = []
+    for i, tool in enumerate(tools):
+        params = tool.parameters or {"type": "object"}
+        if '"$ref"' in json.dumps(params):
+            defs[f"t{i}"] = rebased_schema(params, f"#/$defs/t{i}")
+            params = {"$ref": f"#/$defs/t{i}"}
+        schemas.append(_call_schema(tool, args_key, params))
+    return (schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), defs
+
+
+def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _lark_json(tools: Sequence[Tool], args_key: str) -> str:
     """A Lark ``%json`` of one call, in the one JSON layout (a schema inside a Lark grammar takes
     its options from its own ``x-guidance``)."""
-    return "%json " + json.dumps({**bounded_schema(_one_of(tools, args_key)), "x-guidance": JSON_LAYOUT})
+    call = _with_defs(*_one_of(tools, args_key))
+    return "%json " + json.dumps({**bounded_schema(call), "x-guidance": JSON_LAYOUT})
 
 
 def _lark_text(value: str) -> str:
@@ -231,17 +247,23 @@ class GenericFormat(ToolFormat):
         )
 
     def constraint(self, request: ToolRequest) -> dict[str, Any] | None:
+        if not request.tools:
+            return None
+        content = request.content_schema or {"type": "string"}
+        defs: dict[str, Any] = {}
+        if '"$ref"' in json.dumps(content):  # its "#" is the content's schema, not the reply's
+            defs["content"] = rebased_schema(content, "#/$defs/content")
+            content = {"$ref": "#/$defs/content"}
         response = {
             "type": "object",
-            "properties": {"response": request.content_schema or {"type": "string"}},
+            "properties": {"response": content},
             "required": ["response"],
             "additionalProperties": False,
         }
-        if not request.tools:
-            return None
         if not request.callable:
-            return {"json_schema": response}
-        calls: dict[str, Any] = {"type": "array", "items": _one_of(request.callable, "arguments"), "minItems": 1}
+            return {"json_schema": _with_defs(response, defs)}
+        call, call_defs = _one_of(request.callable, "arguments")
+        calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
         if request.most is not None:
             calls["maxItems"] = request.most
         schema: dict[str, Any] = {
@@ -252,7 +274,7 @@ class GenericFormat(ToolFormat):
         }
         if not request.forced:
             schema = {"anyOf": [schema, response]}
-        return {"json_schema": schema}
+        return {"json_schema": _with_defs(schema, {**defs, **call_defs})}
 
     def parser(self, request: ToolRequest | None) -> OutputParser:
         if not self._active(request):
@@ -387,7 +409,9 @@ class OutputParser:
         return text
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end of the output: the content not yet given out, and the calls."""
+        """At the end of the output: the content not yet given out, and the complete calls (an
+        output cut by max_tokens inside a call keeps the calls before it). The calls are those of
+        the streamed indexes 0..len-1; a streamed index past them is a call cut short."""
         return "", []
 
     def pop_deltas(self) -> list[CallDelta]:
@@ -433,6 +457,17 @@ class _CallScanner:
 
     def pop(self) -> list[CallDelta]:
         out, self._deltas = self._deltas, []
+        return out
+
+    def whole(self) -> list[ToolCall]:
+        """The calls whose arguments are complete: all of them, or all but the last when the output
+        was cut by max_tokens inside its arguments. They are the first of the streamed indexes, so
+        a streamed call whose index is not among them is the one cut short."""
+        out = []
+        for call in self.calls if self._value is None else self.calls[:-1]:
+            if not _is_json(call.arguments):  # never under the grammar; no call after it is kept
+                break
+            out.append(call)
         return out
 
     def _step(self) -> bool:
@@ -561,28 +596,10 @@ class _TaggedParser(OutputParser):
         if self._calls is None:
             held, self._held = self._held, ""
             return held, []
-        if not _complete(self._calls, self.fmt):  # cut by max_tokens
-            return self._calls, []
-        return "", self._scanner.calls  # as streamed: the same ids, the arguments as written
-
-
-def _complete(text: str, fmt: _Native) -> bool:
-    """Whether ``text`` (from the opening string on) holds whole calls, closed as the format closes
-    them (not cut off by max_tokens)."""
-    decoder = json.JSONDecoder()
-    pos = len(fmt.open) if text.startswith(fmt.open) else 0
-    while True:
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return False
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return False
-        if fmt.sep and text.startswith(fmt.sep, pos):
-            pos += len(fmt.sep)
-            continue
-        rest = text[pos:]
-        return rest == fmt.close or (not fmt.close and not rest.strip())
+        # As streamed (the same ids, the arguments as written); cut by max_tokens, the complete
+        # calls are kept and only the one cut short is dropped (the grammar holds everything after
+        # the trigger to calls, so no text is lost).
+        return "", self._scanner.whole()
 
 
 class _JsonReplyParser(OutputParser):
@@ -622,15 +639,16 @@ class _JsonReplyParser(OutputParser):
         try:
             obj = json.loads(self._text)
         except ValueError:
-            # Cut by max_tokens: the response given so far is the content; a call is dropped.
-            return "", []
+            # Cut by max_tokens: the response given so far is the content; of calls, the complete
+            # ones are kept and only the one cut short is dropped.
+            return "", self._scanner.whole() if self._text.startswith('{"tool_calls": ') else []
         if isinstance(obj, dict) and "response" in obj:
             if self.raw:
                 return self._text[len(self._PREFIX) : -1][self._given :], []
             if isinstance(obj["response"], str):
                 return obj["response"][self._given :], []
         if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
-            return "", self._scanner.calls  # as streamed: the same ids, the arguments as written
+            return "", self._scanner.whole()  # as streamed: the same ids, the arguments as written
         return "", []
 
 

@@ -51,8 +51,8 @@ class _Plan:
     target: str
 
 
-class _Admission:
-    def release(self, units: int) -> None:
+class _Grant:
+    def release(self) -> None:
         pass
 
 
@@ -67,7 +67,6 @@ class ScriptedService:
     ready: bool = True
     last_error: str | None = None
     config: ServiceConfig = field(default_factory=ServiceConfig)
-    admission: _Admission = field(default_factory=_Admission)
     words: list[str] = field(default_factory=lambda: list(WORDS))  # the deltas every generation streams
     token_ids: list[int] | None = None  # the generated ids its result reports (None: [5, 6])
     thinking_tags: Thinking | None = None  # the model thinks (client/serve/reasoning.py)
@@ -102,6 +101,9 @@ class ScriptedService:
     def thinking(self) -> Thinking | None:
         return self.thinking_tags
 
+    async def check_constraint(self, constraint: object) -> None:
+        pass  # no grammar compiler here: the real server's check is tests/client/serve/test_fuzz.py's
+
     async def check_store_quota(self, tenant: object) -> None:
         pass
 
@@ -114,8 +116,8 @@ class ScriptedService:
     def release_ephemeral(self, *args: object) -> None:
         pass
 
-    async def admit(self, tenant: object, units: int) -> None:
-        pass
+    async def admit(self, party: str, units: int) -> _Grant:
+        return _Grant()
 
     async def place(self, tenant: object, prompt: list[int], named: str | None = None, *args: Any, **kw: Any) -> _Plan:
         return _Plan(named or "local/~x")

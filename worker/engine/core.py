@@ -519,7 +519,7 @@ class Engine(EngineCheckpoints):
         """End one request whose own processing raised; the other requests of the step carry on."""
         if req.finished:
             return
-        if isinstance(exc, InternalError):
+        if isinstance(exc, (InternalError, InvalidArgument)):
             error = exc
         else:
             message = str(exc) if isinstance(exc, SamplingError) else f"{type(exc).__name__}: {exc}"
@@ -538,7 +538,12 @@ class Engine(EngineCheckpoints):
             req.penalties.push(token)
         req.phase = Phase.DECODE
         if req.guide is not None and not req.guide.consume(token):
-            raise SamplingError(f"the constraint refused token {token}: {req.guide.error}")
+            # The grammar cannot go on past its parser's limits (a schema whose values must nest
+            # without end, say): the request's own constraint is at fault, so invalid_argument.
+            raise InvalidArgument(
+                f"the constraint (response_format, tools) cannot be followed after {len(req.generated)} tokens: "
+                f"{req.guide.error}"
+            )
         k = req.params.logprobs
         lp = [token_logprob(logits, token, k)] if k is not None and logits is not None else None
         if token in req.stop_ids:

@@ -261,6 +261,26 @@ def test_bad_requests_get_openai_errors(server):
     assert client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2).choices[0].message
 
 
+def test_prompts_far_beyond_the_context_are_refused(server):
+    # 3.5 MB (under the 4 MiB body limit) of text as a chat message, a completions prompt and a
+    # tool's description: each refused as too long for the context (before it is rendered or
+    # tokenized whole, prompt_bound.py), and the server serves on.
+    text = "the keeper climbed the stairs " * 120_000
+    tool = {"type": "function", "function": {"name": "f", "description": text, "parameters": {"type": "object"}}}
+    bodies = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": text, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": QUESTION, "tools": [tool], "max_tokens": 2}),
+    ]
+    for path, body in bodies:
+        r = httpx.post(server.url + path, json={"model": server.model, **body}, timeout=120)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "at most 2048" in error["message"], error
+    reply = _client(server).chat.completions.create(model=server.model, messages=QUESTION, max_tokens=2)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
 def test_session_reuses_its_history_and_is_saved(server):
     client = _client(server)
     headers = {"X-Session-Id": "conv-1"}

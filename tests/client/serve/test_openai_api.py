@@ -5,6 +5,7 @@ what the server sends, as its client does)."""
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 
@@ -336,3 +337,134 @@ def test_response_format_with_tools_holds_the_content_not_the_calls():
     parsed = oa.parse_chat_request(body, MODEL)
     assert parsed.tools is not None and parsed.tools.content_schema == {"type": "object"}
     assert "constraint" not in parsed.params.fields  # the tool format's grammar takes it in
+
+
+SURROGATE = "\\ud800"  # as JSON writes it: json.loads makes it a lone surrogate
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        ('{"model": "m%s", "messages": []}', "model"),
+        ('{"session_id": "a%s"}', "session_id"),
+        ('{"prompt_cache_key": "a%s"}', "prompt_cache_key"),
+        ('{"cache_salt": "%s"}', "cache_salt"),
+        ('{"messages": [{"role": "user"}, {"role": "u%s", "content": "x"}]}', "messages[1].role"),
+        ('{"messages": [{"role": "user", "content": "x%s"}]}', "messages[0].content"),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        ('{"response_format": {"type": "t%s"}}', "response_format.type"),
+        ('{"input": "hi", "model": "%s"}', "model"),  # a Responses body: the same one pass
+        ('{"prompt": "a%s"}', "prompt"),
+        (
+            '{"tools": [{"type": "function", "function": {"name": "f", "description": "%s"}}]}',
+            "tools[0].function.description",
+        ),
+        ('{"metadata": {"a b": "%s"}}', 'metadata["a b"]'),
+        ('{"stop": ["ok", "%sx"]}', "stop[1]"),
+    ],
+)
+def test_every_string_of_a_body_is_checked_for_lone_surrogates(raw, param):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_json((raw % SURROGATE).encode())
+    assert (info.value.status, info.value.param) == (400, param)
+    assert "unpaired surrogate" in info.value.message
+    info.value.body()["error"]["message"].encode("utf-8")  # the answer itself can be written
+
+
+def test_a_lone_surrogate_in_a_key_and_a_valid_pair_are_told_apart():
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_json(b'{"metadata": {"\\udc00": 1}}')
+    assert info.value.param == 'metadata["\\udc00"]'
+    assert oa.parse_json(b'{"messages": [{"content": "\\ud83d\\ude00"}]}')["messages"][0]["content"] == "\U0001f600"
+
+
+@pytest.mark.parametrize("name", ["session_id", "prompt_cache_key", "cache_salt", "previous_response_id"])
+def test_nul_is_refused_where_an_id_is_built(name):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_json(b'{"%s": "a\\u0000b"}' % name.encode())
+    assert (info.value.status, info.value.param) == (400, name)
+    assert oa.parse_json(b'{"messages": [{"content": "a\\u0000b"}]}')  # NUL in text is text
+
+
+def test_nesting_is_bounded_and_named():
+    deep = "[" * (oa.MAX_JSON_DEPTH + 1) + "]" * (oa.MAX_JSON_DEPTH + 1)
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_json(f'{{"metadata": {deep}}}'.encode())
+    assert info.value.status == 400 and info.value.param.startswith("metadata[0][0]")
+    fits = "[" * (oa.MAX_JSON_DEPTH - 2) + "]" * (oa.MAX_JSON_DEPTH - 2)
+    assert oa.parse_json(f'{{"metadata": {fits}}}'.encode())
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"max_tokens": 1e30}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+        ({"max_tokens": 1.0}, "max_tokens"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -1e308}, "frequency_penalty"),
+        ({"n": 2.0}, "n"),
+        ({"n": 10**30}, "n"),
+        ({"logprobs": True, "top_logprobs": 10**30}, "top_logprobs"),
+        ({"stop": "x" * 1025}, "stop"),
+    ],
+)
+def test_numbers_out_of_range_are_400_naming_the_field(fields, param):
+    with pytest.raises(oa.APIError) as info:
+        chat(**fields)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
+def test_completion_token_ids_and_logprobs_out_of_range():
+    for body, param in (
+        ({"prompt": [1, 2**31]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": "a", "logprobs": 10**30}, "logprobs"),
+    ):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_completion_request(body, MODEL)
+        assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_non_finite_numbers_are_refused_anywhere_in_a_body():
+    """JSON has no NaN or Infinity (Python reads them, and 1e400 as inf): echoed back, as a
+    response echoes its metadata, they could not be written."""
+    for raw, param in ((b'{"metadata": {"a": NaN}}', "metadata.a"), (b'{"max_tokens": 1e400}', "max_tokens")):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_json(raw)
+        assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_tool_call_arguments_are_checked_as_templates_render_them_decoded():
+    """A chat template renders an earlier call's arguments decoded (``tojson`` writes no escapes):
+    a lone surrogate escaped inside the arguments string is as bad as one in the body."""
+
+    def body(arguments: str) -> bytes:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [{"role": "user", "content": "w"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        return json.dumps({"messages": messages}).encode()
+
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_chat_request(oa.parse_json(body('{"city": "\\ud800"}')), MODEL)
+    assert (info.value.status, info.value.param) == (400, "messages[1].tool_calls[0].function.arguments.city")
+    for fine in ('{"city": "\\ud83d\\ude00"}', "not JSON at all \\ud800", "[" * 5000):
+        parsed = oa.parse_chat_request(oa.parse_json(body(fine)), MODEL)
+        assert parsed.messages[1]["tool_calls"][0].arguments == fine

@@ -16,6 +16,7 @@ muxworker.serve --ray``: when the Ray head's processes are killed, every server 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -140,6 +141,42 @@ def _alive(pid: int, started: str) -> bool:
     return entry is not None and entry.start_ticks == started
 
 
+def _listening(pids: list[int]) -> dict[int, list[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+    """{pid: the local addresses of its listening TCP sockets}, from /proc/net/tcp{,6} and each
+    process's fds (Linux)."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone meanwhile
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
+    out: dict[int, list[ipaddress.IPv4Address | ipaddress.IPv6Address]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in owner:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(local.split(":")[0])  # 32-bit words in host (little-endian) order
+                addr = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+                out.setdefault(owner[inode], []).append(addr)
+    return out
+
+
+def _is_loopback(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1, an IPv6 socket bound to 127.0.0.1
+    return (mapped or addr).is_loopback
+
+
 def test_the_health_check_waits_out_a_worker_restart_and_a_store_outage_but_not_a_dead_server():
     """Serve's health check on a replica, over a fake child (its /health as the server answers it)."""
     import trio
@@ -233,6 +270,16 @@ def test_when_the_ray_head_dies_every_server_and_worker_exits(tmp_path):
         modules = {pid: _muxworker_module(procs[pid].argv(pid)) for pid in tree}
         ours = {pid: module for pid, module in modules.items() if module}
         assert sorted(ours.values()) == ["muxworker.serve", "muxworker.worker"], ours
+        # --host 127.0.0.1 (the default): every socket the cluster listens on (the GCS, the raylet,
+        # the agents, the workers, Serve's proxy, the replica's server) is a loopback one.
+        listening = _listening([driver.pid, *tree])
+        assert len(listening) >= 3, listening  # the driver, the GCS, the raylet at least
+        wide = {
+            f"{pid} {' '.join(procs[pid].argv(pid) if pid in procs else [])[:80]}": [str(a) for a in addrs]
+            for pid, addrs in listening.items()
+            if not all(map(_is_loopback, addrs))
+        }
+        assert not wide, wide
 
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=10)

@@ -18,6 +18,7 @@ from muxworker.client.serve import openai_api as oa
 from muxworker.client.serve import responses_api as ra
 from muxworker.client.serve.openai_api import ServedModel
 from muxworker.client.serve.tools import CallDelta, ToolCall
+from muxworker.client.stores.binding import session_hash
 
 SERVED = ServedModel(("m",))
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -80,7 +81,10 @@ def test_a_continuation_renders_the_stored_conversation_first():
         ({"input": "x", "background": True}, "background", "leave it out"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
         ({"input": "x", "truncation": "middle"}, "truncation", "disabled or auto"),
-        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1"),
+        ({"input": "x", "max_output_tokens": 2**31}, "max_output_tokens", "max_output_tokens must be at least 1"),
+        ({"input": "x", "max_output_tokens": 1e30}, "max_output_tokens", "max_output_tokens must be an integer"),
+        ({"input": "x", "top_logprobs": 10**30}, "top_logprobs", "top_logprobs"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format", "json_schema"),
     ],
 )
@@ -214,6 +218,7 @@ WEATHER = {
 }
 
 
+@pytest.mark.slow
 def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
     from muxworker.client.serve.process import ServerProcess
 
@@ -297,12 +302,10 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
         )
         # Only the new input is prefilled: the conversation's KV came back from the store.
         assert after.usage.input_tokens_details.cached_tokens >= streamed.usage.input_tokens
-        assert (
-            c.responses.create(
-                model=server.model, input="And?", tools=[WEATHER], previous_response_id=branch.id, max_output_tokens=4
-            ).usage.input_tokens_details.cached_tokens
-            >= branch.usage.input_tokens
+        and_then = c.responses.create(
+            model=server.model, input="And?", tools=[WEATHER], previous_response_id=branch.id, max_output_tokens=4
         )
+        assert and_then.usage.input_tokens_details.cached_tokens >= branch.usage.input_tokens
         # aider's "summarize" under the same header, then back to the conversation: the history the
         # summary overwrote was kept as a branch (read back from the store), so it is reused.
         summary = [named[0], {"role": "user", "content": "Summarize our conversation."}]
@@ -328,3 +331,39 @@ def test_responses_with_the_sdk_continue_across_a_restart(tmp_path):
         with pytest.raises(openai.BadRequestError) as info:
             c.responses.create(model=server.model, input="x", previous_response_id=asked.id)
         assert info.value.code == "previous_response_not_found"
+        # Deleting a response deletes its session once no other stored response needs it, by what
+        # the store lists (these sessions were saved before the restart): one the chain still needs
+        # stays and is reused; once all are deleted no response session, record or file is left.
+        again_after = c.responses.create(
+            model=server.model,
+            input="Last.",
+            tools=[WEATHER],
+            previous_response_id=after.id,
+            store=False,
+            max_output_tokens=2,
+        )
+        assert again_after.usage.input_tokens_details.cached_tokens >= after.usage.input_tokens
+        responses = _sessions(server, "response")
+        assert responses
+        for rid in (answered.id, streamed.id, branch.id, after.id, and_then.id):
+            assert c.responses.delete(rid) is None
+        assert _sessions(server, "response") == []
+        for sid in responses:
+            assert not (tmp_path / "store" / (session_hash("local/" + sid) + ".mxckpt")).exists()
+        assert not list((tmp_path / "store").glob("*.mxrec"))
+        # A tenant deletes its own implicit sessions by the ids GET /v1/sessions lists (live ones and
+        # ones saved before the restart): gone from the list and from the store.
+        implicit = _sessions(server, "implicit")
+        assert implicit
+        for sid in implicit:
+            assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200
+            assert not (tmp_path / "store" / (session_hash("local/" + sid) + ".mxckpt")).exists()
+        assert _sessions(server, "implicit") == []
+        assert httpx.delete(f"{server.url}/v1/sessions/{implicit[0]}").status_code == 404
+        assert httpx.delete(f"{server.url}/v1/sessions/~i-{implicit[0][3:-1]}").status_code == 400
+
+
+def _sessions(server, kind: str) -> list[str]:
+    """The ids of the server's sessions of ``kind`` (``GET /v1/sessions``)."""
+    listed = httpx.get(server.url + "/v1/sessions", timeout=30).json()["data"]
+    return [s["id"] for s in listed if s["kind"] == kind]

@@ -1,17 +1,11 @@
-"""The reuse index (client/serve/reuse.py) and the admission queue (admission.py), in-process."""
+"""The reuse index (client/serve/reuse.py), in-process."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-import trio
-import trio.testing
-
-from muxworker.client.serve.admission import Admission
 from muxworker.client.serve.reuse import ReuseIndex, common_prefix
 from muxworker.client.serve.tenants import IMPLICIT, RESPONSE, Tenant, session_kind
-from muxworker.transport.errors import CapacityExhausted
 
 T = Tenant("t")
 
@@ -156,40 +150,3 @@ def test_failed_turn_and_bound():
     assert [e.sid for e in doomed] == [plans[0].target, plans[1].target]  # least recently used first
     index.note_turn(plans[3].target, [1], None)  # a failed turn empties the session
     assert index.get(plans[3].target).rows == 0
-
-
-async def test_admission_queues_fairly_then_refuses():
-    adm = Admission(1, max_queue=3, max_wait_s=5)
-    order = []
-    await adm.acquire("a")
-
-    async def one(tenant, tag):
-        await adm.acquire(tenant)
-        order.append(tag)
-        await trio.sleep(0.01)
-        adm.release()
-
-    async with trio.open_nursery() as nursery:
-        for tag in ("a1", "a2"):
-            nursery.start_soon(one, "a", tag)
-            await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(one, "b", "b1")
-        await trio.testing.wait_all_tasks_blocked()
-        with pytest.raises(CapacityExhausted, match="queue holds 3"):
-            await adm.acquire("c")  # the queue is full
-        adm.release()
-    assert order == ["a1", "b1", "a2"]  # tenants in turn, not arrival order
-    assert adm.running == 0 and adm.waiting == 0
-
-
-async def test_admission_wait_bound_and_cancel_give_back():
-    adm = Admission(1, max_queue=8, max_wait_s=0.05)
-    await adm.acquire("a")
-    with pytest.raises(CapacityExhausted, match="within"):
-        await adm.acquire("b")
-    assert adm.waiting == 0
-    with trio.move_on_after(0.01):
-        await adm.acquire("b")
-    assert adm.waiting == 0 and adm.running == 1
-    adm.release()
-    assert await adm.acquire("b") == 0.0

@@ -8,13 +8,17 @@ SmolLM2 (real pipes, real files, a real tmpfs for a full disk):
 - a body of more messages than the context can hold is refused before it is rendered;
 - per-tenant session and store quotas; a session whose first turn failed is not kept;
 - what a browser could forge is refused by the real server, and an unusable manifest can be
-  deleted over HTTP.
+  deleted over HTTP;
+- one owner per store: a second server on a directory store exits naming the first, and of two
+  --shared-store servers writing one session, the stale one answers 409 and overwrites nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,6 +184,22 @@ def test_limits_refuse_before_any_work_and_bad_first_turns_leave_nothing(tmp_pat
         assert r.status_code == 200
         assert chat("key-a", "three").status_code == 200
 
+        # A tenant deletes its own implicit session by the id GET /v1/sessions lists; another
+        # tenant's key naming the same id finds nothing.
+        assert chat("key-a", None).status_code == 200
+
+        def implicit(key: str) -> list[str]:
+            listed = httpx.get(server.url + "/v1/sessions", headers={"Authorization": f"Bearer {key}"}).json()
+            return [s["id"] for s in listed["data"] if s["kind"] == "implicit"]
+
+        (mine,) = implicit("key-a")
+        r = httpx.delete(f"{server.url}/v1/sessions/{mine}", headers={"Authorization": "Bearer key-b"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+        assert implicit("key-a") == [mine]
+        r = httpx.delete(f"{server.url}/v1/sessions/{mine}", headers={"Authorization": "Bearer key-a"})
+        assert r.status_code == 200 and r.json()["id"] == mine
+        assert implicit("key-a") == []
+
 
 def test_store_bytes_quota(tmp_path):
     args = ["--store", str(tmp_path / "store"), "--max-store-bytes-per-tenant", "4096"]
@@ -271,3 +291,86 @@ def test_the_server_collects_what_a_killed_save_left(tmp_path):
         assert not orphan.exists() and young.exists() and segment.exists()
         r = _chat(server, "s", [*QUESTION, {"role": "assistant", "content": "Red."}])
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_second_server_on_a_directory_store_exits_naming_the_holder(tmp_path):
+    """Two servers on one directory store overwrote each other's sessions, every reply 200 (issue
+    40): the first holds the store alone, and a second one (with --shared-store or without), the
+    sessions command's changes and the chat exit at start with one line naming it (pid, host,
+    start time), no traceback. (A server that stopped frees it: the tests above restart on theirs.)"""
+    store = tmp_path / "store"
+    with ServerProcess(["--store", str(store)], log_path=tmp_path / "serve.log") as server:
+        holder = f"pid {server.pid} on "
+        tools = [
+            ([sys.executable, "-m", "muxworker.serve", "--store", str(store), "--port", "0"], 2),
+            ([sys.executable, "-m", "muxworker.serve", "--store", str(store), "--port", "0", "--shared-store"], 2),
+            ([sys.executable, "-m", "muxworker.sessions", str(store), "delete", "local/s"], 2),
+            ([sys.executable, "-m", "muxworker.chat", "--store", str(store), "--session", "s"], 1),
+        ]
+        for argv, status in tools:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+            assert done.returncode == status, (argv, done.stderr)
+            (line,) = [ln for ln in done.stderr.splitlines() if holder in ln]
+            assert " since " in line and "Traceback" not in done.stderr, done.stderr
+        assert _chat(server, "s").status_code == 200  # the holder serves on
+
+
+def test_two_servers_on_one_shared_store_one_409_and_nothing_acknowledged_is_lost(tmp_path):
+    """Servers A and B on one store, turns of one session on both (issue 40: every reply 200 while
+    the store kept only B's history). Every save is conditional on the manifest its server last
+    saved or resumed: a server whose copy the other's save superseded publishes nothing; under
+    --save turn its session's next request gets 409 save_conflict (under --save sync the turn
+    itself), and the request after that continues from what the store holds."""
+    store = tmp_path / "store"
+    base = ["--store", str(store), "--shared-store", "--max_sessions", "2"]
+    turn = [{"role": "user", "content": "Name a colour."}]
+
+    def session(server) -> dict:
+        return httpx.get(server.url + "/v1/sessions/x", timeout=30).json()
+
+    def until(server, ready, what: str) -> dict:
+        deadline = time.monotonic() + 60  # a hang guard
+        while time.monotonic() < deadline:
+            state = session(server)
+            if ready(state):
+                return state
+            time.sleep(0.1)
+        raise AssertionError(f"the session was never {what}: {state}")
+
+    def saved(server) -> dict:  # a background save landed
+        return until(server, lambda s: s.get("durable_tokens") == s.get("live_tokens") is not None, "saved")
+
+    def more(messages, r) -> list:
+        return [*messages, {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}, *turn]
+
+    def cached(r) -> int:
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with (
+        ServerProcess([*base, "--save", "sync"], log_path=tmp_path / "a.log") as a,
+        ServerProcess(base, log_path=tmp_path / "b.log") as b,
+    ):
+        r = _chat(b, "x", turn)
+        assert r.status_code == 200
+        saved(b)
+        history = more(turn, r)
+        r = _chat(a, "x", history)  # A resumes B's save; under --save sync durable when answered
+        assert r.status_code == 200 and r.json()["session"]["durable"] is True, r.text
+        a_tokens = r.json()["session"]["durable_tokens"]
+        stale = more(history, r)
+        r = _chat(b, "x", stale)  # B's copy is stale: answered, but its save must not replace A's
+        assert r.status_code == 200
+        until(b, lambda s: "SaveConflict" in (s.get("last_save_error") or ""), "refused")
+        assert session(a)["saved_tokens"] == a_tokens  # A's acknowledged turn is whole in the store
+        r = _chat(b, "x", stale)  # told: the turn B answered from its stale copy was not kept
+        assert r.status_code == 409 and r.json()["error"]["code"] == "save_conflict", r.text
+        r = _chat(b, "x", stale)  # then it continues from what the store holds (A's turn)
+        assert r.status_code == 200 and cached(r) >= a_tokens - 2, r.text
+        b_tokens = saved(b)["durable_tokens"]
+        assert b_tokens > a_tokens
+        r = _chat(a, "x", stale)  # now A's copy is stale: under --save sync the turn itself is refused
+        assert r.status_code == 409 and r.json()["error"]["code"] == "save_conflict", r.text
+        assert session(b)["saved_tokens"] == b_tokens  # B's turn is whole
+        r = _chat(a, "x", stale)  # then it continues from B's
+        assert r.status_code == 200 and r.json()["session"]["durable"] is True, r.text
+        assert cached(r) >= a_tokens - 2

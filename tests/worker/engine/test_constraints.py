@@ -2,8 +2,9 @@
 model: whatever the model would say, every output matches its constraint (a JSON schema, any JSON
 object, a regex, a Lark or GBNF grammar), greedy and sampled; a finished grammar ends the turn with
 ``stop``; one the model cannot finish in max_new_tokens ends with ``length``; bad constraints are
-refused before any work; constrained and free requests share forward passes, and n-gram drafting
-leaves constrained requests alone."""
+refused before any work, and ``GrammarCompiler.check`` (the HTTP server's, before admission) also
+refuses schemas that compile but have no value or no end; constrained and free requests share
+forward passes, and n-gram drafting leaves constrained requests alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from helpers.engine import make, prompt_ids, run
 
 from muxworker.transport.errors import InvalidArgument
-from muxworker.transport.sampling import MAX_CONSTRAINT_BYTES
+from muxworker.transport.sampling import JSON_LAYOUT, MAX_CONSTRAINT_BYTES
 from muxworker.worker.engine.sampling import SamplingParams
 
 SCHEMA = {
@@ -169,3 +170,62 @@ def test_an_unbounded_integer_is_held_to_sixteen_digits(engine):
         value = json.loads(text)["n"]
         jsonschema.validate({"n": value}, schema)
         assert abs(value) <= 2**53 - 1
+
+
+_ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # {"a": {"a": ... forced
+
+
+@pytest.mark.parametrize(
+    "constraint, words",
+    [
+        ({"json_schema": {"$ref": "#"}}, "cannot be followed"),  # compiles, allows no value
+        ({"json_schema": _ENDLESS}, "forces"),
+        # A tool call's grammar embeds its schema in the one layout (client/serve/tools.py).
+        ({"lark": 'start: "<call>" %json ' + json.dumps({**_ENDLESS, "x-guidance": JSON_LAYOUT})}, "forces"),
+        ({"json_schema": {"type": "nonsense"}}, "json_schema is not valid"),  # what compile() refuses too
+    ],
+)
+def test_check_refuses_what_the_engine_could_not_follow(engine, constraint, words):
+    """What the HTTP server runs before admitting a request (``ModelService.check_constraint``)."""
+    with pytest.raises(InvalidArgument, match=words):
+        engine.grammars.check(constraint)
+
+
+def test_check_passes_recursive_and_long_schemas_that_end(engine):
+    tree = {
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v", "kids"],
+    }
+    for constraint in ({"json_schema": tree}, {"json_schema": {"const": "x" * 5000}}, {"json_schema": SCHEMA}):
+        engine.grammars.check(constraint)
+    text, result = _generate(engine, {"json_schema": tree}, n=24)  # and the engine follows them
+    if result["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(text), tree)
+
+
+def test_a_grammar_that_cannot_go_on_mid_output_is_the_requests_invalid_argument(engine):
+    """Two endless branches: the start is a choice (so ``check`` passes it); once the model picks
+    one, llguidance gives up at its limits. The request's own constraint is at fault: an
+    InvalidArgument (the HTTP server's 400 or last error event), not an internal error."""
+    later = {
+        "anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
+        "$defs": {
+            "a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+            "b": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        },
+    }
+    engine.grammars.check({"json_schema": later})
+    engine.open_session("later")
+    try:
+        params = SamplingParams(max_new_tokens=64, temperature=0, stop_token_ids=[], constraint={"json_schema": later})
+        engine.submit(1, "later", prompt_ids(8), params)
+        errors = []
+        while engine.has_work():
+            errors += [out.error for out in engine.step() if out.result is not None]
+        assert len(errors) == 1 and isinstance(errors[0], InvalidArgument), errors
+        assert "cannot be followed" in str(errors[0])
+    finally:
+        engine.close_session("later")
+    text, result = _generate(engine, {"regex": "ab?c"}, n=8)  # the engine carries on
+    assert result["finish_reason"] == "stop"
