@@ -405,13 +405,7 @@ class SessionRuntime:
             # session's next use resumes; the store remembers the conflict for whoever reports it).
             self._forget(session_id)
             self._evictions += 1
-            self._freeing += 1
-            try:
-                await self.client.close_session(session_id)
-            except SessionNotFound:
-                pass
-            finally:
-                self._freeing -= 1
+            await self._free_slot(session_id)
             return
         except Exception as exc:
             self._eviction_failures += 1
@@ -429,6 +423,10 @@ class SessionRuntime:
         tracked.has_file = has_file
         self._live -= 1
         self._evictions += 1
+        await self._free_slot(session_id)
+
+    async def _free_slot(self, session_id: str) -> None:
+        """Close ``session_id``'s worker copy, counted as closing until the worker has freed its slot."""
         self._freeing += 1
         try:
             await self.client.close_session(session_id)

@@ -57,6 +57,7 @@ __all__ = [
     "JSON_LAYOUT",
     "bounded_schema",
     "rebased_schema",
+    "ref_cycle",
 ]
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy
@@ -129,6 +130,47 @@ def rebased_schema(schema: Any, base: str) -> Any:
         if key in out:
             out[key] = rebased_schema(out[key], base)
     return out
+
+
+def _pointed(root: Any, ref: str) -> Any:
+    """What the local reference ``ref`` (``#``, ``#/$defs/a``) points at in ``root``; None: nothing."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def ref_cycle(schema: Any) -> str | None:
+    """A local reference of ``schema`` that leads only to references and back to itself
+    (``{"$ref": "#"}``, or ``a`` -> ``b`` -> ``a`` in ``$defs``): a schema that allows no value,
+    which a grammar compiler may take for any value. None when there is none."""
+    stack, seen_nodes = [schema], 0
+    while stack and seen_nodes < 100_000:
+        node = stack.pop()
+        seen_nodes += 1
+        if not isinstance(node, dict):
+            continue
+        ref, hops, chain = node.get("$ref"), node, []
+        while isinstance(ref, str) and ref.startswith("#") and set(hops) == {"$ref"}:
+            if ref in chain:
+                return ref
+            chain.append(ref)
+            hops = _pointed(schema, ref)
+            ref = hops.get("$ref") if isinstance(hops, dict) else None
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        stack.extend(node[key] for key in _SUBSCHEMAS if key in node)
+    return None
 
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")

@@ -29,6 +29,7 @@ from muxworker.transport.sampling import (
     SAMPLING_FIELD_NAMES,
     SamplingFieldError,
     SamplingFields,
+    ref_cycle,
 )
 
 from .defaults import GenerationDefaults
@@ -661,6 +662,12 @@ def _tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
         description = fn.get("description", "")
         if not isinstance(params, dict) or not isinstance(description, str):
             raise bad_request(f"tools[{i}].function: parameters must be a JSON Schema object", param="tools")
+        cycle = ref_cycle(params)
+        if cycle is not None:
+            raise bad_request(
+                f"tools[{i}].function.parameters cannot be followed: {cycle!r} refers only to itself and allows no value",
+                param="tools",
+            )
         names.add(fn["name"])
         tools.append(Tool(fn["name"], description, params))
     function = None
